@@ -1,0 +1,39 @@
+# Everything a fresh machine needs: `make demo` and `make test` set up on their own.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.draftgen-installed
+
+.PHONY: setup demo test lint unit integration bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# One pip line for the engine and torch (the CPU wheel); see scripts/install-engine.sh.
+$(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh
+	bash scripts/install-engine.sh $(VENV)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python scripts/demo.py
+
+lint: setup
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest tests/unit
+
+integration: setup
+	$(BIN)/pytest tests/integration
+
+test: lint
+	$(BIN)/pytest
+
+bench: setup
+	$(BIN)/python bench/restart.py
+
+clean:
+	rm -rf $(VENV) .cache runs

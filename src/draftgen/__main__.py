@@ -1,0 +1,3 @@
+from draftgen.cli import main
+
+main()

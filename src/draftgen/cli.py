@@ -1,0 +1,154 @@
+"""The command line: parse, load the job, call one library function, print."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import orjson
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from draftgen.errors import DiskError, DraftgenError, JobChangedError, JobError, StoreError
+from draftgen.job import JobSpec, load_job
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Generate training datasets from self-hosted LLM servers.")
+engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
+app.add_typer(engine_app, name="engine")
+
+_out = Console()
+_err = Console(stderr=True)
+
+
+def _fail(e: DraftgenError) -> typer.Exit:
+    _err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+    code = 1 if isinstance(e, DiskError) else 2
+    return typer.Exit(code)
+
+
+def _load(job_file: Path) -> JobSpec:
+    try:
+        return load_job(job_file)
+    except JobError as e:
+        raise _fail(e) from None
+
+
+def _json(obj: object) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+@app.command()
+def plan(job_file: Annotated[Path, typer.Argument(help="job YAML")],
+         as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+    """Read every source, apply caps and dedup, and show what a run would generate."""
+    from draftgen.runner import plan_job
+
+    job = _load(job_file)
+    try:
+        p = plan_job(job)
+    except DraftgenError as e:
+        raise _fail(e) from None
+    rows = p.summary_rows()
+    if as_json:
+        _json({"rows": rows, "token_count": p.token_count_label,
+               "rejected": [{"category": r.category, "source": r.source, "row": r.row,
+                             "reason": r.reason} for r in p.rejected]})
+        return
+    t = Table(title=f"plan for {job_file} (prompt tokens: {p.token_count_label})")
+    cols = ["category", "partition", "prompts", "samples", "rejected", "duplicates", "capped",
+            "prompt_tokens", "max_output_tokens"]
+    for c in cols:
+        t.add_column(c.replace("_", " "), justify="left" if c in cols[:2] else "right")
+    for r in rows:
+        t.add_row(*(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c]) for c in cols),
+                  style="bold" if r["category"] == "total" else None)
+    _out.print(t)
+
+
+@app.command()
+def run(
+    job_file: Annotated[Path, typer.Argument(help="job YAML")],
+    server: Annotated[list[str] | None, typer.Option(help="server base URL (repeatable)")] = None,
+    out: Annotated[Path | None, typer.Option(help="output directory (default: job's output)")] = None,
+    retry_failed: Annotated[bool, typer.Option(help="re-send samples recorded as failed")] = False,
+    redo_changed: Annotated[bool, typer.Option(
+        help="regenerate samples whose request changed since they were recorded")] = False,
+    progress: Annotated[bool | None, typer.Option(
+        help="live view (default: only on a terminal)")] = None,
+    grace: Annotated[float, typer.Option(help="seconds in-flight requests get after a stop")] = 30,
+) -> None:
+    """Generate every pending sample of the job; safe to run again to resume."""
+    from draftgen.runner import RunOptions, run_job
+
+    job = _load(job_file)
+    out_dir = out or job.resolve(job.output)
+    opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
+                      redo_changed=redo_changed, progress=progress, grace_s=grace)
+    try:
+        summary = asyncio.run(run_job(job, opts))
+    except (JobError, JobChangedError, StoreError) as e:
+        raise _fail(e) from None
+    print(summary.line(), flush=True)
+
+
+@app.command()
+def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
+           as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Show what a run directory holds (while it runs or after)."""
+    from draftgen.status import read_status
+
+    try:
+        st = read_status(out_dir)
+    except StoreError as e:
+        raise _fail(e) from None
+    if as_json:
+        _json(st.as_json())
+        return
+    t = Table(title=f"{out_dir} — {'running' if st.running else 'not running'}")
+    for c in ("category", "total", "done", "failed", "truncated", "pending", "output tokens"):
+        t.add_column(c, justify="left" if c == "category" else "right")
+    for name, c in [*st.categories.items(), ("total", st)]:
+        t.add_row(name, f"{c.total:,}", f"{c.done:,}", f"{c.failed:,}", f"{c.truncated:,}",
+                  f"{c.pending:,}", f"{c.output_tokens:,}")
+    _out.print(t)
+    if st.failures:
+        _out.print("failures: " + ", ".join(f"{k} {v}" for k, v in st.failures.items()))
+    _out.print(f"rejected source rows: {st.rejected}")
+
+
+@app.command()
+def export(
+    out_dir: Annotated[Path, typer.Argument(help="run directory")],
+    to: Annotated[Path, typer.Option(help="file to write")],
+    format: Annotated[str, typer.Option(help="specforge, sharegpt or parquet")] = "specforge",
+    reasoning: Annotated[str, typer.Option(
+        help="inline (<think>…</think> before the answer), field (reasoning_content) or drop")
+    ] = "inline",
+    include_truncated: Annotated[bool, typer.Option(help="also export truncated samples")] = False,
+) -> None:
+    """Write completed samples as training data; failed and truncated are left out."""
+    from draftgen.export import ExportOptions, export_run
+
+    if reasoning not in ("inline", "field", "drop"):
+        raise _fail(JobError(f"--reasoning: {reasoning!r} is not inline, field or drop"))
+    try:
+        s = export_run(out_dir, to, ExportOptions(format, reasoning, include_truncated))  # type: ignore[arg-type]
+    except DraftgenError as e:
+        raise _fail(e) from None
+    print(s.line())
+
+
+@engine_app.command("build-model")
+def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
+    """Build the tiny deterministic test model (no downloads)."""
+    from draftgen.engine.tinymodel import build_tiny_model
+
+    print(build_tiny_model(out_dir))
+
+
+def main() -> None:
+    app()

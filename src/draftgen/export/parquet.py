@@ -1,0 +1,46 @@
+"""Parquet: one row per sample, conversation plus the metadata a data team filters on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draftgen.export.base import ExportOptions, Format, conversation
+
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("category", pa.string()),
+    ("partition", pa.string()),
+    ("conversations", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string()),
+                                          ("reasoning_content", pa.string())]))),
+    ("finish_reason", pa.string()),
+    ("prompt_tokens", pa.int64()),
+    ("completion_tokens", pa.int64()),
+    ("server", pa.string()),
+])
+
+
+class ParquetFormat(Format):
+    suffix = ".parquet"
+
+    def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
+        turns = rec["turns"]
+        return {
+            "id": rec["id"],
+            "category": rec["category"],
+            "partition": rec["partition"],
+            "conversations": conversation(rec, opts.reasoning),
+            "finish_reason": turns[-1]["finish_reason"],
+            "prompt_tokens": turns[0]["prompt_tokens"],
+            "completion_tokens": sum(t["completion_tokens"] for t in turns),
+            "server": rec["server"],
+        }
+
+    def write(self, rows: Iterator[dict[str, Any]], f: BinaryIO) -> None:
+        with pq.ParquetWriter(f, SCHEMA) as w:
+            while batch := list(islice(rows, 4096)):
+                w.write_table(pa.Table.from_pylist(batch, schema=SCHEMA))

@@ -1,0 +1,17 @@
+"""SpecForge JSONL: string id, role/content conversations with the exact system prompt sent."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftgen.export.base import ExportOptions, Format, conversation
+
+
+class SpecForgeFormat(Format):
+    def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
+        return {
+            "id": rec["id"],
+            "conversations": conversation(rec, opts.reasoning),
+            # SpecForge's validator wants this on regenerated rows.
+            "status": "success",
+        }

@@ -1,0 +1,194 @@
+"""The job spec: one validated object built from a YAML file.
+
+Every model forbids unknown keys so a typo is an error, not a silently ignored setting.
+`load_job` turns any problem into a `JobError` that names the file and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from draftgen.errors import JobError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Sampling(_Strict):
+    """Sampling parameters sent with every request; part of each request's fingerprint."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+    # Engine-specific keys merged into the request body, e.g. chat_template_kwargs.
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+
+
+class Partition(_Strict):
+    """A class of requests sharing an output budget and a concurrency limit."""
+
+    max_tokens: int = Field(gt=0)
+    concurrency: int = Field(default=32, gt=0)
+    # With `partition: auto`, a prompt goes to the partition with the largest
+    # min_prompt_tokens that it reaches.
+    min_prompt_tokens: int = Field(default=0, ge=0)
+
+
+Layout = Literal["messages", "conversations", "prompt"]
+
+
+class Source(_Strict):
+    """Where a category's prompts come from."""
+
+    path: str | None = None
+    hf_dataset: str | None = None
+    hf_split: str = "train"
+    hf_config: str | None = None
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+    layout: Layout = "messages"
+    # Field names: `messages` / `conversations` list, or the single prompt text field.
+    field: str | None = None
+    id_field: str | None = None
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> Source:
+        if (self.path is None) == (self.hf_dataset is None):
+            raise ValueError("give exactly one of 'path' or 'hf_dataset'")
+        return self
+
+    @property
+    def field_name(self) -> str:
+        return self.field or self.layout
+
+
+class Category(_Strict):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    source: Source
+    system_prompt: str | None = None
+    cap: int | None = Field(default=None, ge=0)
+    partition: str = "auto"
+
+
+class Server(_Strict):
+    url: str
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class Retry(_Strict):
+    max_attempts: int = Field(default=6, ge=1)
+    backoff_base_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+
+
+class Client(_Strict):
+    # Seconds with no streamed byte before a request counts as stalled; never a total limit.
+    idle_timeout_s: float = Field(default=300.0, gt=0)
+    connect_timeout_s: float = Field(default=30.0, gt=0)
+    retry: Retry = Field(default_factory=Retry)
+
+
+class JobSpec(_Strict):
+    model: str = Field(min_length=1)
+    # A local tokenizer.json (or a directory holding one) for exact prompt token counts.
+    tokenizer: str | None = None
+    servers: list[Server] = Field(default_factory=list)
+    api_key_env: str | None = None
+    sampling: Sampling = Field(default_factory=Sampling)
+    partitions: dict[str, Partition] = Field(min_length=1)
+    categories: list[Category] = Field(min_length=1)
+    samples_per_prompt: int = Field(default=1, ge=1)
+    multi_turn: Literal["last", "all"] = "last"
+    seed: int = 0
+    output: str = "runs/out"
+    client: Client = Field(default_factory=Client)
+    progress_interval_s: float = Field(default=30.0, gt=0)
+
+    @field_validator("servers", mode="before")
+    @classmethod
+    def _urls_as_servers(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            return [{"url": s} if isinstance(s, str) else s for s in v]
+        return v
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> JobSpec:
+        names = [c.name for c in self.categories]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"duplicate category names: {sorted(dup)}")
+        for i, c in enumerate(self.categories):
+            if c.partition != "auto" and c.partition not in self.partitions:
+                raise ValueError(
+                    f"categories.{i}.partition: {c.partition!r} is not one of "
+                    f"{sorted(self.partitions)} or 'auto'"
+                )
+        return self
+
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+    _source_file: Path | None = PrivateAttr(default=None)
+
+    @property
+    def source_file(self) -> Path | None:
+        return self._source_file
+
+    def resolve(self, p: str) -> Path:
+        """Paths in a job file are relative to the file's directory."""
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else self._base_dir / path
+
+
+def _format_error(path: Path, err: ValidationError) -> str:
+    lines = [f"{path}: invalid job spec"]
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job file; relative paths in it resolve from its directory."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise JobError(f"{p}: cannot read job file: {e.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JobError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise JobError(f"{p}: a job file must be a mapping of fields")
+    try:
+        job = JobSpec.model_validate(raw)
+    except ValidationError as e:
+        raise JobError(_format_error(p, e)) from None
+    job._base_dir = p.resolve().parent
+    job._source_file = p.resolve()
+    return job

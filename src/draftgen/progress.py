@@ -1,0 +1,80 @@
+"""Renders run snapshots: a live table on a terminal, one plain line at a time in a log."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import TextIO
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from draftgen.stats import Snapshot
+
+
+def format_duration(s: float | None) -> str:
+    if s is None:
+        return "?"
+    s = int(s)
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def plain_line(snap: Snapshot) -> str:
+    planned = snap.total("planned")
+    done = snap.total("done")
+    line = (
+        f"[{format_duration(snap.elapsed_s)}] done {done}/{planned} "
+        f"failed {snap.total('failed')} truncated {snap.total('truncated')} "
+        f"pending {snap.total('pending')} in-flight {snap.in_flight} | "
+        f"{snap.tok_s_window:,.0f} tok/s (1 min), {snap.tok_s_overall:,.0f} overall | "
+        f"ETA {format_duration(snap.eta_s)}"
+    )
+    return f"{line} | {snap.note}" if snap.note else line
+
+
+def table(snap: Snapshot) -> Table:
+    t = Table(title=None, expand=False)
+    for col in ("category", "done", "failed", "truncated", "pending", "in flight", "out tokens"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+    for c in snap.categories:
+        t.add_row(c.name, f"{c.done}/{c.planned}", str(c.failed), str(c.truncated),
+                  str(c.pending), str(c.in_flight), f"{c.output_tokens:,}")
+    t.caption = (
+        f"{snap.tok_s_window:,.0f} tok/s over the last minute, {snap.tok_s_overall:,.0f} overall · "
+        f"{snap.in_flight} in flight · retries {snap.retries} · "
+        f"elapsed {format_duration(snap.elapsed_s)} · ETA {format_duration(snap.eta_s)}"
+        + (f"\n{snap.note}" if snap.note else "")
+    )
+    return t
+
+
+class ProgressView:
+    """Runs as a task beside the run; `live` picks the terminal view."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], *, live: bool | None = None,
+                 interval_s: float = 30.0, stream: TextIO | None = None) -> None:
+        self._snapshot = snapshot
+        self._stream = stream or sys.stderr
+        self._live = self._stream.isatty() if live is None else live
+        self._interval_s = interval_s
+
+    async def run(self) -> None:
+        if self._live:
+            console = Console(file=self._stream)
+            with Live(table(self._snapshot()), console=console, refresh_per_second=2) as live:
+                try:
+                    while True:
+                        await asyncio.sleep(0.5)
+                        live.update(table(self._snapshot()))
+                finally:
+                    live.update(table(self._snapshot()))
+        else:
+            while True:
+                await asyncio.sleep(self._interval_s)
+                print(plain_line(self._snapshot()), file=self._stream, flush=True)

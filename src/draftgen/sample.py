@@ -1,0 +1,127 @@
+"""The unit of work and what becomes of it.
+
+A `Sample` is one request to make (or, with `multi_turn: all`, a short chain of requests);
+it ends as a `Record` (generated turns) or a `Failure` (a typed reason). Samples are plain
+frozen dataclasses: a plan holds ~10^5 of them and orjson serialises them directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+Message = dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    id: str
+    category: str
+    partition: str
+    # What is sent first: optional system message, then the conversation up to a user turn.
+    messages: tuple[Message, ...]
+    max_tokens: int
+    # multi_turn "all": user turns appended, in order, after each generated reply.
+    followups: tuple[str, ...] = ()
+    seed: int | None = None
+    prompt_tokens: int = 0
+    source: str = ""
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One generated assistant reply."""
+
+    content: str
+    reasoning: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    ttft_s: float | None
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    id: str
+    fingerprint: str
+    category: str
+    partition: str
+    messages: tuple[Message, ...]
+    followups: tuple[str, ...]
+    turns: tuple[Turn, ...]
+    server: str
+    attempts: int
+    finished_at: float
+    status: Literal["done"] = "done"
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.turns[-1].finish_reason if self.turns else None
+
+    @property
+    def truncated(self) -> bool:
+        return any(t.finish_reason == "length" for t in self.turns)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.completion_tokens for t in self.turns)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    id: str
+    fingerprint: str
+    category: str
+    partition: str
+    reason: str
+    message: str
+    attempts: int
+    server: str
+    finished_at: float
+    status: Literal["failed"] = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A source row that cannot become a sample, set aside with why."""
+
+    category: str
+    source: str
+    row: int
+    reason: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def base_body(model: str, sampling: Mapping[str, Any]) -> dict[str, Any]:
+    """The request fields shared by every sample of a job (sampling minus unset values)."""
+    body: dict[str, Any] = {"model": model}
+    extra = dict(sampling.get("extra_body") or {})
+    for k, v in sampling.items():
+        if k not in ("extra_body", "seed") and v is not None:
+            body[k] = v
+    body.update(extra)
+    return body
+
+
+def request_body(sample: Sample, base: Mapping[str, Any], messages: list[Message]) -> dict[str, Any]:
+    body = dict(base)
+    body["messages"] = messages
+    body["max_tokens"] = sample.max_tokens
+    if sample.seed is not None:
+        body["seed"] = sample.seed
+    return body
+
+
+def fingerprint(sample: Sample, base: Mapping[str, Any]) -> str:
+    """A hash of everything that shapes the generated text; resume compares it."""
+    payload = {
+        "body": request_body(sample, base, list(sample.messages)),
+        "followups": list(sample.followups),
+    }
+    return hashlib.sha256(orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]

@@ -1,0 +1,109 @@
+"""What a run directory holds, read without the job file (while a run writes or after)."""
+
+from __future__ import annotations
+
+import fcntl
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from draftgen.errors import StoreError
+from draftgen.store.ledger import LedgerEntry, load_ledger
+from draftgen.store.run_store import LEDGER, LOCK, PLAN, REJECTED, read_manifest
+
+
+@dataclass(slots=True)
+class CategoryStatus:
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    truncated: int = 0
+    pending: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RunStatus:
+    out_dir: str
+    running: bool
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    truncated: int = 0
+    pending: int = 0
+    output_tokens: int = 0
+    rejected: int = 0
+    stale: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    categories: dict[str, CategoryStatus] = field(default_factory=dict)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("categories", "manifest")}
+        d["categories"] = {
+            k: {f: getattr(v, f) for f in v.__slots__} for k, v in self.categories.items()
+        }
+        runs = self.manifest.get("runs") or []
+        d["runs"] = len(runs)
+        d["last_run"] = runs[-1] if runs else None
+        return d
+
+
+def is_running(out_dir: Path) -> bool:
+    try:
+        with open(out_dir / LOCK, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except FileNotFoundError:
+        return False
+
+
+def iter_plan(out_dir: Path) -> list[dict[str, Any]]:
+    try:
+        data = (out_dir / PLAN).read_bytes()
+    except FileNotFoundError:
+        raise StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})") from None
+    return [orjson.loads(line) for line in data.splitlines() if line]
+
+
+def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, LedgerEntry]]:
+    """The plan, and the ledger entries that still match it (same id and request)."""
+    plan = iter_plan(out_dir)
+    entries = load_ledger(out_dir / LEDGER, repair=False).entries
+    return plan, entries
+
+
+def read_status(out_dir: Path) -> RunStatus:
+    plan, entries = current_entries(out_dir)
+    st = RunStatus(str(out_dir), is_running(out_dir), manifest=read_manifest(out_dir))
+    failures: Counter[str] = Counter()
+    planned_ids = set()
+    for p in plan:
+        planned_ids.add(p["id"])
+        cat = st.categories.setdefault(p["category"], CategoryStatus())
+        cat.total += 1
+        e = entries.get(p["id"])
+        if e is None or e.fp != p["fingerprint"]:
+            cat.pending += 1
+        elif e.status == "done":
+            cat.done += 1
+            cat.truncated += e.trunc
+            cat.output_tokens += e.otok
+        else:
+            cat.failed += 1
+            failures[(e.reason or "error").split(":", 1)[0]] += 1
+    for name in ("total", "done", "failed", "truncated", "pending", "output_tokens"):
+        setattr(st, name, sum(getattr(c, name) for c in st.categories.values()))
+    st.stale = sum(1 for i in entries if i not in planned_ids)
+    st.failures = dict(failures)
+    try:
+        st.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines() if line)
+    except FileNotFoundError:
+        st.rejected = 0
+    return st

@@ -1,0 +1,72 @@
+"""The ledger: one small JSON line per outcome, appended; the last line for an id wins."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    id: str
+    fp: str
+    status: str  # "done" | "failed"
+    cat: str
+    part: str
+    shard: str | None = None
+    off: int = 0
+    len: int = 0
+    otok: int = 0
+    finish: str | None = None
+    trunc: bool = False
+    reason: str | None = None
+    attempts: int = 0
+    t: float = 0.0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> LedgerEntry:
+        return cls(**d)
+
+    def to_line(self) -> bytes:
+        fields = ((k, getattr(self, k)) for k in _FIELDS)
+        return orjson.dumps({k: v for k, v in fields if v is not None}) + b"\n"
+
+
+_FIELDS = LedgerEntry.__slots__
+
+
+@dataclass(slots=True)
+class LedgerLoad:
+    entries: dict[str, LedgerEntry]
+    torn_bytes: int
+    corrupt_lines: int
+
+
+def load_ledger(path: Path, *, repair: bool) -> LedgerLoad:
+    """Read the ledger; with `repair`, cut a torn last line (a kill mid-write) from the file."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return LedgerLoad({}, 0, 0)
+    end = data.rfind(b"\n") + 1
+    torn = len(data) - end
+    entries: dict[str, LedgerEntry] = {}
+    corrupt = 0
+    for line in data[:end].splitlines():
+        if not line:
+            continue
+        try:
+            e = LedgerEntry.from_json(orjson.loads(line))
+        except (orjson.JSONDecodeError, TypeError):
+            corrupt += 1
+            continue
+        entries[e.id] = e
+    if torn and repair:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
+    return LedgerLoad(entries, torn, corrupt)
