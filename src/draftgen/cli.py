@@ -45,11 +45,11 @@ def _json(obj: object) -> None:
 def plan(job_file: Annotated[Path, typer.Argument(help="job YAML")],
          as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
     """Read every source, apply caps and dedup, and show what a run would generate."""
-    from draftgen.runner import plan_job
+    from draftgen.plan import build_plan
 
     job = _load(job_file)
     try:
-        p = plan_job(job)
+        p = build_plan(job)
     except DraftgenError as e:
         raise _fail(e) from None
     rows = p.summary_rows()

@@ -26,13 +26,12 @@ from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError, RequestError
 from draftgen.job import JobSpec
 from draftgen.plan import Plan, build_plan
-from draftgen.progress import ProgressView, plain_line
+from draftgen.progress import ProgressView
 from draftgen.retry import Backoff, with_retries
 from draftgen.sample import Failure, Record, Sample, Turn, base_body, request_body
 from draftgen.stats import RunStats, Snapshot
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
-from draftgen.tokens import TokenCounter
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +90,6 @@ def api_key(job: JobSpec) -> str | None:
     return key
 
 
-def plan_job(job: JobSpec) -> Plan:
-    return build_plan(job, TokenCounter.for_job(job))
-
-
 class Runner:
     def __init__(self, job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) -> None:
         self.job = job
@@ -110,7 +105,7 @@ class Runner:
         self._servers = [_Server(u.rstrip("/")) for u in urls]
 
     async def run(self) -> RunSummary:
-        plan = plan_job(self.job)
+        plan = build_plan(self.job)
         with RunStore.open(self.opts.out_dir) as store:
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
                                  redo_changed=self.opts.redo_changed)
@@ -308,4 +303,4 @@ async def run_job(job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) 
     return await Runner(job, opts, clock=clock).run()
 
 
-__all__ = ["RunOptions", "RunSummary", "Runner", "plain_line", "plan_job", "run_job"]
+__all__ = ["RunOptions", "RunSummary", "Runner", "run_job"]
