@@ -1,0 +1,194 @@
+"""The runner end to end against a scripted server: outcomes, retries, resume, export."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from fakeserver import FakeServer, Reply, chunk, completion, error_reply, sse, usage
+
+from draftgen.errors import JobChangedError
+from draftgen.export import ExportOptions, export_run
+from draftgen.job import load_job
+from draftgen.runner import RunOptions, run_job
+from draftgen.status import read_status
+
+JOB = """
+model: fake
+sampling: {{temperature: 0.0, seed: 3}}
+partitions:
+  short: {{max_tokens: 16, concurrency: {conc}}}
+categories:
+  - {{name: chat, source: {{path: chat.jsonl, id_field: id}}, partition: short,
+     system_prompt: "Be brief."}}
+multi_turn: {multi_turn}
+client: {{retry: {{max_attempts: 3, backoff_base_s: 0.001, backoff_max_s: 0.002}}}}
+progress_interval_s: 1000
+"""
+
+
+def make_job(tmp_path: Path, rows: list[dict[str, Any]], *, conc: int = 4,
+             multi_turn: str = "last", extra: str = "") -> Path:
+    with open(tmp_path / "chat.jsonl", "wb") as f:
+        for r in rows:
+            f.write(orjson.dumps(r) + b"\n")
+    p = tmp_path / "job.yaml"
+    p.write_text(JOB.format(conc=conc, multi_turn=multi_turn) + extra)
+    return p
+
+
+def rows(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "messages": [{"role": "user", "content": f"question {i}"}]}
+            for i in range(n)]
+
+
+def last_user(body: dict[str, Any]) -> str:
+    return str([m for m in body["messages"] if m["role"] == "user"][-1]["content"])
+
+
+def echo(body: dict[str, Any]) -> Reply:
+    return completion([f"answer to {last_user(body)}"], completion_tokens=5)
+
+
+async def run(job_path: Path, server: FakeServer, **kw: Any) -> Any:
+    job = load_job(job_path)
+    opts = RunOptions(out_dir=job_path.parent / "out", servers=[server.url], progress=False, **kw)
+    return await run_job(job, opts)
+
+
+async def test_full_run_records_everything_and_a_second_run_sends_nothing(
+    tmp_path: Path,
+) -> None:
+    job = make_job(tmp_path, rows(12), conc=3)
+    async with FakeServer(responder=echo) as server:
+        summary = await run(job, server)
+        assert (summary.done, summary.failed, summary.pending, summary.sent) == (12, 0, 0, 12)
+        assert server.max_active <= 3
+        seen = len(server.seen)
+        again = await run(job, server)
+        assert again.sent == 0 and again.done == 12
+        assert len(server.seen) == seen
+    body = server.seen[0].body
+    assert body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert body["max_tokens"] == 16 and body["temperature"] == 0.0 and body["seed"] == 3
+    st = read_status(tmp_path / "out")
+    assert (st.total, st.done, st.pending, st.output_tokens) == (12, 12, 0, 60)
+
+
+async def test_transient_errors_are_retried_and_permanent_ones_recorded(tmp_path: Path) -> None:
+    tries: collections.Counter[str] = collections.Counter()
+
+    def flaky(body: dict[str, Any]) -> Reply:
+        q = last_user(body)
+        tries[q] += 1
+        if q == "question 0":
+            return error_reply(400, "This model's maximum context length is 16 tokens.")
+        if q == "question 1":
+            return Reply(status=503, body=b"overloaded")  # never recovers
+        if tries[q] == 1:
+            return Reply(status=500, body=b"oops")
+        return echo(body)
+
+    job = make_job(tmp_path, rows(5))
+    async with FakeServer(responder=flaky) as server:
+        summary = await run(job, server)
+    assert (summary.done, summary.failed) == (3, 2)
+    assert tries["question 0"] == 1  # permanent: not retried
+    assert tries["question 1"] == 3  # attempt limit
+    assert tries["question 2"] == 2
+    st = read_status(tmp_path / "out")
+    assert st.failures == {"context_too_long": 1, "exhausted_retries": 1}
+
+    async with FakeServer(responder=echo) as server:
+        assert (await run(job, server)).sent == 0
+        retried = await run(job, server, retry_failed=True)
+        assert retried.sent == 2 and retried.done == 5
+        assert sorted(last_user(s.body) for s in server.seen) == ["question 0", "question 1"]
+
+
+async def test_multi_turn_all_regenerates_each_assistant_turn_in_order(tmp_path: Path) -> None:
+    conv = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "second"}, {"role": "assistant", "content": "old2"}]
+    job = make_job(tmp_path, [{"id": "a", "messages": conv}], multi_turn="all")
+    async with FakeServer(responder=echo) as server:
+        summary = await run(job, server)
+        assert summary.done == 1
+        assert [last_user(s.body) for s in server.seen] == ["first", "second"]
+        assert server.seen[1].body["messages"][2] == {
+            "role": "assistant", "content": "answer to first"}
+    to = tmp_path / "sf.jsonl"
+    export_run(tmp_path / "out", to, ExportOptions())
+    row = orjson.loads(to.read_bytes())
+    assert [(m["role"], m["content"]) for m in row["conversations"]] == [
+        ("system", "Be brief."), ("user", "first"), ("assistant", "answer to first"),
+        ("user", "second"), ("assistant", "answer to second")]
+
+
+async def test_a_changed_job_is_refused_until_asked_to_redo(tmp_path: Path) -> None:
+    job = make_job(tmp_path, rows(3))
+    async with FakeServer(responder=echo) as server:
+        await run(job, server)
+        job.write_text(job.read_text().replace("temperature: 0.0", "temperature: 0.7"))
+        with pytest.raises(JobChangedError, match="3 recorded sample"):
+            await run(job, server)
+        redo = await run(job, server, redo_changed=True)
+        assert redo.sent == 3 and redo.done == 3
+        assert server.seen[-1].body["temperature"] == 0.7
+
+
+async def test_export_formats_reasoning_and_left_out_samples(tmp_path: Path) -> None:
+    def replies(body: dict[str, Any]) -> Reply:
+        q = last_user(body)
+        if q == "question 0":  # truncated
+            return completion(["cut"], finish="length")
+        if q == "question 1":  # empty answer
+            return completion([""], completion_tokens=0)
+        steps = [chunk(role="assistant", reasoning="think", reasoning_key="reasoning"),
+                 chunk("ok"), chunk(finish="stop"), usage(3, 2), b"data: [DONE]\n\n"]
+        return Reply(steps=steps)
+
+    job = make_job(tmp_path, rows(4))
+    async with FakeServer(responder=replies) as server:
+        await run(job, server)
+    out = tmp_path / "out"
+    s = export_run(out, tmp_path / "a.jsonl", ExportOptions())
+    assert (s.exported, s.truncated, s.empty, s.failed, s.pending) == (2, 1, 1, 0, 0)
+    first = orjson.loads((tmp_path / "a.jsonl").read_bytes().splitlines()[0])
+    assert first["status"] == "success" and isinstance(first["id"], str)
+    assert first["conversations"][-1]["content"] == "<think>think</think>ok"
+
+    export_run(out, tmp_path / "b.jsonl", ExportOptions(reasoning="field"))
+    msg = orjson.loads((tmp_path / "b.jsonl").read_bytes().splitlines()[0])["conversations"][-1]
+    assert msg == {"role": "assistant", "content": "ok", "reasoning_content": "think"}
+
+    s = export_run(out, tmp_path / "c.jsonl", ExportOptions("sharegpt", include_truncated=True))
+    assert s.exported == 3
+    conv = orjson.loads((tmp_path / "c.jsonl").read_bytes().splitlines()[0])["conversations"]
+    assert [m["from"] for m in conv] == ["system", "human", "gpt"]
+
+    s = export_run(out, tmp_path / "d.parquet", ExportOptions("parquet"))
+    table = pq.read_table(tmp_path / "d.parquet")
+    assert table.num_rows == s.exported == 2
+    assert set(table.column("finish_reason").to_pylist()) == {"stop"}
+
+
+async def test_an_error_inside_the_stream_is_retried(tmp_path: Path) -> None:
+    calls = collections.Counter[str]()
+
+    def replies(body: dict[str, Any]) -> Reply:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return Reply(steps=[chunk("partial"), sse({"error": {"message": "engine died",
+                                                                 "code": 500}})])
+        return echo(body)
+
+    job = make_job(tmp_path, rows(1))
+    async with FakeServer(responder=replies) as server:
+        summary = await run(job, server)
+    assert summary.done == 1 and calls["n"] == 2
+    st = read_status(tmp_path / "out")
+    assert st.done == 1
