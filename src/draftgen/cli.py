@@ -73,7 +73,7 @@ def plan(job_file: Annotated[Path, typer.Argument(help="job YAML")],
 def run(
     job_file: Annotated[Path, typer.Argument(help="job YAML")],
     server: Annotated[list[str] | None, typer.Option(help="server base URL (repeatable)")] = None,
-    out: Annotated[Path | None, typer.Option(help="output directory (default: job's output)")] = None,
+    out: Annotated[Path | None, typer.Option(help="output directory (default: the job's)")] = None,
     retry_failed: Annotated[bool, typer.Option(help="re-send samples recorded as failed")] = False,
     redo_changed: Annotated[bool, typer.Option(
         help="regenerate samples whose request changed since they were recorded")] = False,
@@ -99,7 +99,7 @@ def run(
 def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Show what a run directory holds (while it runs or after)."""
-    from draftgen.status import read_status
+    from draftgen.status import CategoryStatus, RunStatus, read_status
 
     try:
         st = read_status(out_dir)
@@ -111,9 +111,10 @@ def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     t = Table(title=f"{out_dir} — {'running' if st.running else 'not running'}")
     for c in ("category", "total", "done", "failed", "truncated", "pending", "output tokens"):
         t.add_column(c, justify="left" if c == "category" else "right")
-    for name, c in [*st.categories.items(), ("total", st)]:
-        t.add_row(name, f"{c.total:,}", f"{c.done:,}", f"{c.failed:,}", f"{c.truncated:,}",
-                  f"{c.pending:,}", f"{c.output_tokens:,}")
+    rows: list[tuple[str, CategoryStatus | RunStatus]] = [*st.categories.items(), ("total", st)]
+    for name, row in rows:
+        t.add_row(name, f"{row.total:,}", f"{row.done:,}", f"{row.failed:,}",
+                  f"{row.truncated:,}", f"{row.pending:,}", f"{row.output_tokens:,}")
     _out.print(t)
     if st.failures:
         _out.print("failures: " + ", ".join(f"{k} {v}" for k, v in st.failures.items()))

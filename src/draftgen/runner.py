@@ -289,7 +289,7 @@ class Runner:
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[int]:
-    installed = []
+    installed: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
             loop.add_signal_handler(sig, handler, sig)

@@ -12,7 +12,11 @@ from draftgen.job import load_job
 GOOD = """
 model: tiny
 servers: [http://127.0.0.1:8000/]
-sampling: {temperature: 0.6, top_p: 0.95, seed: 7, extra_body: {chat_template_kwargs: {thinking: false}}}
+sampling:
+  temperature: 0.6
+  top_p: 0.95
+  seed: 7
+  extra_body: {chat_template_kwargs: {thinking: false}}
 partitions:
   short: {max_tokens: 10240, concurrency: 150}
   long: {max_tokens: 16384, concurrency: 32, min_prompt_tokens: 4096}

@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 
+from draftgen.gcpause import gc_paused
+
 
 # Not frozen: a frozen dataclass's __init__ costs ~3x more, and a restart builds 10^5 of them.
 @dataclass(slots=True)
@@ -31,14 +33,14 @@ class LedgerEntry:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LedgerEntry:
         # Positional: ~2x faster than cls(**d) on a 10^5-line ledger. Absent keys were None.
-        return cls(*[d.get(k) for k in _FIELDS])
+        return cls(*[d.get(k) for k in _FIELDS])  # type: ignore[arg-type]
 
     def to_line(self) -> bytes:
         fields = ((k, getattr(self, k)) for k in _FIELDS)
         return orjson.dumps({k: v for k, v in fields if v is not None}) + b"\n"
 
 
-_FIELDS: tuple[str, ...] = LedgerEntry.__slots__  # type: ignore[attr-defined]
+_FIELDS: tuple[str, ...] = LedgerEntry.__slots__
 
 
 @dataclass(slots=True)
@@ -54,6 +56,16 @@ def load_ledger(path: Path, *, repair: bool) -> LedgerLoad:
         data = path.read_bytes()
     except FileNotFoundError:
         return LedgerLoad({}, 0, 0)
+    with gc_paused():
+        loaded = _parse(data)
+    if loaded.torn_bytes and repair:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - loaded.torn_bytes)
+            os.fsync(f.fileno())
+    return loaded
+
+
+def _parse(data: bytes) -> LedgerLoad:
     end = data.rfind(b"\n") + 1
     torn = len(data) - end
     lines = [line for line in data[:end].splitlines() if line]
@@ -75,8 +87,4 @@ def load_ledger(path: Path, *, repair: bool) -> LedgerLoad:
             continue
         e = LedgerEntry.from_json(d)
         entries[e.id] = e
-    if torn and repair:
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            os.fsync(f.fileno())
     return LedgerLoad(entries, torn, corrupt)
