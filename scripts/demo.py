@@ -22,11 +22,13 @@ EXPORT = OUT / "export"
 DRAFTGEN = [sys.executable, "-m", "draftgen"]
 
 
-def step(title: str, *args: str) -> str:
-    print(f"\n$ draftgen {' '.join(args)}", flush=True)
+def step(*args: str, show: bool = True) -> str:
+    if show:
+        print(f"\n$ draftgen {' '.join(args)}", flush=True)
     done = subprocess.run([*DRAFTGEN, *args], cwd=ROOT, check=True, text=True,
                           stdout=subprocess.PIPE)
-    print(done.stdout, end="", flush=True)
+    if show:
+        print(done.stdout, end="", flush=True)
     return done.stdout
 
 
@@ -36,15 +38,15 @@ def main() -> None:
     print(f"tiny model: {model}")
     with LocalEngine(model, log_path=ROOT / ".cache" / "demo-engine.log") as engine:
         print(f"local vLLM engine up at {engine.url} ({time.monotonic() - t0:.0f}s)")
-        step("plan", "plan", str(JOB))
-        step("run", "run", str(JOB), "--server", engine.url, "--out", str(OUT))
-    step("status", "status", str(OUT))
+        step("plan", str(JOB))
+        step("run", str(JOB), "--server", engine.url, "--out", str(OUT))
+    step("status", str(OUT))
     lines = [
-        step("export", "export", str(OUT), "--format", fmt, "--to", str(EXPORT / name))
+        step("export", str(OUT), "--format", fmt, "--to", str(EXPORT / name))
         for fmt, name in (("specforge", "specforge.jsonl"), ("sharegpt", "sharegpt.jsonl"),
                           ("parquet", "samples.parquet"))
     ]
-    status = orjson.loads(step("status", "status", str(OUT), "--json"))
+    status = orjson.loads(step("status", str(OUT), "--json", show=False))
     print("\n== demo summary ==")
     print(f"samples planned {status['total']}, generated {status['done']}, "
           f"failed {status['failed']}, truncated {status['truncated']}, "

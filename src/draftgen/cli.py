@@ -20,7 +20,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
 app.add_typer(engine_app, name="engine")
 
-_out = Console()
+# Off a terminal (a log, a pipe) rich assumes 80 columns, which squeezes the tables.
+_out = Console(width=None if sys.stdout.isatty() else 120)
 _err = Console(stderr=True)
 
 
