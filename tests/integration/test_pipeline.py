@@ -7,11 +7,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import orjson
-import urllib.request
 
 from draftgen.engine import LocalEngine
 
