@@ -108,6 +108,14 @@ class Client(_Strict):
     # Seconds with no streamed byte before a request counts as stalled; never a total limit.
     idle_timeout_s: float = Field(default=300.0, gt=0)
     connect_timeout_s: float = Field(default=30.0, gt=0)
+    # No token on any in-flight request of a server for this long: the server is hung.
+    hang_timeout_s: float = Field(default=180.0, gt=0)
+    # A liveness probe (a 1-token generation) that takes longer than this failed.
+    probe_timeout_s: float = Field(default=30.0, gt=0)
+    # Stop the run when every server has been down this long; None waits indefinitely.
+    server_down_give_up_s: float | None = Field(default=None, gt=0)
+    # A sample caught in this many outages is then charged retries like any transient error.
+    max_outage_requeues: int = Field(default=50, ge=1)
     retry: Retry = Field(default_factory=Retry)
 
 
@@ -116,7 +124,9 @@ class JobSpec(_Strict):
     # A local tokenizer.json (or a directory holding one) for exact prompt token counts.
     tokenizer: str | None = None
     servers: list[Server] = Field(default_factory=list)
+    # The API key comes from an environment variable or a file, never from the job itself.
     api_key_env: str | None = None
+    api_key_file: str | None = None
     sampling: Sampling = Field(default_factory=Sampling)
     partitions: dict[str, Partition] = Field(min_length=1)
     categories: list[Category] = Field(min_length=1)
@@ -136,6 +146,8 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> JobSpec:
+        if self.api_key_env and self.api_key_file:
+            raise ValueError("give api_key_env or api_key_file, not both")
         names = [c.name for c in self.categories]
         dup = {n for n in names if names.count(n) > 1}
         if dup:

@@ -1,10 +1,11 @@
 """The run loop: plan → open the store → admit → stream → record.
 
-One TaskGroup holds a dispatcher per partition, the progress view and the request tasks;
-a partition's dispatcher only creates a request task once its concurrency allows, so a run
-of 10^5 samples never holds more than the window of live requests. Outcomes go to the single
-writer. A stop (signal, disk error) ends dispatch; in-flight requests get a grace period,
-then are cancelled and stay pending for the next run.
+One TaskGroup holds a dispatcher per partition and the request tasks; a dispatcher creates
+a request task only when its partition's concurrency and an up server allow, so a run of
+10^5 samples never holds more than the window of live requests. Outcomes go to the single
+writer. A request cut off by a server outage or hang goes back to the front of its queue
+without being charged a retry. A stop (signal, disk error, give-up) ends dispatch;
+in-flight requests get a grace period, then are cancelled and stay pending.
 """
 
 from __future__ import annotations
@@ -14,21 +15,22 @@ import os
 import random
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from draftgen import __version__
 from draftgen.client import ChatClient
 from draftgen.clock import REAL_CLOCK, Clock
-from draftgen.errors import JobError, RequestError
+from draftgen.errors import JobError, RequestError, ServerDown
 from draftgen.job import JobSpec
 from draftgen.plan import Plan, build_plan
 from draftgen.progress import ProgressView
 from draftgen.retry import Backoff, with_retries
-from draftgen.sample import Failure, Record, Sample, Turn, base_body, request_body
+from draftgen.sample import Failure, Record, Rejected, Sample, Turn, base_body, request_body
+from draftgen.serverpool import ServerPool, ServerState
 from draftgen.stats import RunStats, Snapshot
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
@@ -56,6 +58,8 @@ class RunSummary:
     elapsed_s: float
     stopped: str | None = None
     snapshot: Snapshot | None = None
+    # 0: finished or stopped on request; 3: gave up waiting for servers.
+    exit_code: int = 0
 
     def line(self) -> str:
         head = f"{self.out_dir}: {self.done}/{self.planned} done, {self.failed} failed, "
@@ -63,9 +67,19 @@ class RunSummary:
         return head + tail + (f" (stopped: {self.stopped})" if self.stopped else "")
 
 
+class _Bounce(Exception):
+    """A request cut off by a server outage: re-queue it, charge nothing."""
+
+    def __init__(self, err: ServerDown) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
 @dataclass(slots=True)
-class _Server:
-    url: str
+class _Queue:
+    samples: deque[Sample]
+    slots: asyncio.Semaphore
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
 
 
@@ -73,21 +87,35 @@ class _Server:
 class _RunState:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
+    exit_code: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    requeue: set[asyncio.Task[None]] = field(default_factory=set)
+    outages: Counter[str] = field(default_factory=Counter)
 
-    def request_stop(self, reason: str) -> None:
+    def request_stop(self, reason: str, exit_code: int = 0) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
+            self.exit_code = exit_code
         self.stop.set()
 
 
-def api_key(job: JobSpec) -> str | None:
-    if job.api_key_env is None:
-        return None
-    key = os.environ.get(job.api_key_env)
-    if not key:
-        raise JobError(f"api_key_env: environment variable {job.api_key_env} is not set")
-    return key
+def read_api_key(job: JobSpec) -> str | None:
+    """The key itself is never logged, stored or echoed; errors name only where it lives."""
+    if job.api_key_env is not None:
+        key = os.environ.get(job.api_key_env, "").strip()
+        if not key:
+            raise JobError(f"api_key_env: environment variable {job.api_key_env} is not set")
+        return key
+    if job.api_key_file is not None:
+        path = job.resolve(job.api_key_file)
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise JobError(f"api_key_file: cannot read {path}: {e.strerror}") from None
+        if not key:
+            raise JobError(f"api_key_file: {path} is empty")
+        return key
+    return None
 
 
 class Runner:
@@ -97,53 +125,70 @@ class Runner:
         self.clock = clock
         self.stats = RunStats(clock)
         self._base = base_body(job.model, job.sampling.model_dump())
-        self._backoff = Backoff(job.client.retry.backoff_base_s, job.client.retry.backoff_max_s,
-                                job.client.retry.max_attempts)
+        retry = job.client.retry
+        self._backoff = Backoff(retry.backoff_base_s, retry.backoff_max_s, retry.max_attempts)
         self._rng = random.Random()
         self._state = _RunState()
-        urls = list(opts.servers) or [s.url for s in job.servers]
-        self._servers = [_Server(u.rstrip("/")) for u in urls]
+        self._urls = [u.rstrip("/") for u in (list(opts.servers) or
+                                               [s.url for s in job.servers])]
+        self._queues: dict[str, _Queue] = {}
+        self.pool: ServerPool | None = None
 
     async def run(self) -> RunSummary:
         plan = build_plan(self.job)
         with RunStore.open(self.opts.out_dir) as store:
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
                                  redo_changed=self.opts.redo_changed)
-            store.write_plan(plan.samples, plan.rejected)
-            self._count_plan(plan, store, {s.id for s in todo})
-            manifest = self._manifest_start(store, plan)
+            if todo and not self._urls:
+                raise JobError("servers: no server to send to; list servers in the job "
+                               "or pass --server URL")
             started = time.time()
-            if todo:
-                if not self._servers:
-                    raise JobError("servers: no server to send to; list servers in the job "
-                                   "or pass --server URL")
-                await self._run(todo)
+            async with ChatClient(api_key=read_api_key(self.job) if todo else None,
+                                  idle_timeout_s=self.job.client.idle_timeout_s,
+                                  connect_timeout_s=self.job.client.connect_timeout_s,
+                                  clock=self.clock) as client:
+                if todo:
+                    context = await self._context_tokens(client)
+                    if context is not None:
+                        plan, todo = _set_aside_too_long(plan, todo, context)
+                store.write_plan(plan.samples, plan.rejected)
+                self._count_plan(plan, store, {s.id for s in todo})
+                manifest = self._manifest_start(store, plan)
+                if todo:
+                    await self._run(todo, client)
             snap = self.stats.snapshot()
             summary = RunSummary(
                 self.opts.out_dir, snap.total("planned"), snap.total("done"),
                 snap.total("failed"), snap.total("truncated"), snap.total("pending"),
                 snap.sent, snap.elapsed_s, self._state.stop_reason, snap,
+                self._state.exit_code,
             )
             manifest["runs"][-1].update(
                 ended_at=time.time(), duration_s=round(time.time() - started, 3),
                 sent=summary.sent, done=summary.done, failed=summary.failed,
                 truncated=summary.truncated, pending=summary.pending,
                 stopped=summary.stopped, retries=snap.retries,
+                server_events=self.pool.events if self.pool else [],
             )
             store.write_manifest(manifest)
         return summary
 
+    async def _context_tokens(self, client: ChatClient) -> int | None:
+        """The smallest context length the servers report (None if none says)."""
+        found = [await client.context_tokens(u) for u in self._urls]
+        known = [n for n in found if n]
+        return min(known) if known else None
+
     def _count_plan(self, plan: Plan, store: RunStore, todo: set[str]) -> None:
-        planned: Counter[str] = Counter(s.category for s in plan.samples)
-        for s in plan.samples:
-            self.stats.plan(s.category, planned=0, max_tokens=s.max_tokens)
-        for cat, n in planned.items():
-            self.stats.plan(cat, planned=n, max_tokens=0)
         done: Counter[str] = Counter()
         failed: Counter[str] = Counter()
         trunc: Counter[str] = Counter()
         toks: Counter[str] = Counter()
+        planned: Counter[str] = Counter()
+        max_tokens: dict[str, int] = {}
         for s in plan.samples:
+            planned[s.category] += 1
+            max_tokens[s.category] = max(max_tokens.get(s.category, 0), s.max_tokens)
             e = store.entries.get(s.id)
             if e is None or s.id in todo:
                 continue
@@ -153,16 +198,13 @@ class Runner:
                 toks[s.category] += e.otok
             else:
                 failed[s.category] += 1
-        for cat in planned:
+        for cat, n in planned.items():
+            self.stats.plan(cat, planned=n, max_tokens=max_tokens[cat])
             self.stats.already(cat, done=done[cat], failed=failed[cat], truncated=trunc[cat],
                                output_tokens=toks[cat])
 
     def _manifest_start(self, store: RunStore, plan: Plan) -> dict[str, Any]:
-        manifest = store.read_manifest() or {
-            "draftgen_version": __version__,
-            "created_at": time.time(),
-            "runs": [],
-        }
+        manifest = store.read_manifest() or {"created_at": time.time(), "runs": []}
         manifest["draftgen_version"] = __version__
         manifest["job_file"] = str(self.job.source_file) if self.job.source_file else None
         manifest["job"] = self.job.model_dump(mode="json")
@@ -173,53 +215,80 @@ class Runner:
         }
         manifest["runs"].append({
             "started_at": time.time(),
-            "servers": [s.url for s in self._servers],
+            "servers": self._urls,
             "repair": {k: getattr(store.repair, k) for k in store.repair.__slots__},
         })
         store.write_manifest(manifest)
         return manifest
 
-    async def _run(self, todo: list[Sample]) -> None:
-        by_partition: dict[str, list[Sample]] = {}
+    async def _run(self, todo: list[Sample], client: ChatClient) -> None:
         for s in todo:
-            by_partition.setdefault(s.partition, []).append(s)
+            if s.partition not in self._queues:
+                conc = self.job.partitions[s.partition].concurrency
+                self._queues[s.partition] = _Queue(deque(), asyncio.Semaphore(conc))
+            self._queues[s.partition].samples.append(s)
+        pool = self.pool = ServerPool(
+            self._urls, clock=self.clock, probe=lambda url: self._probe(client, url),
+            hang_timeout_s=self.job.client.hang_timeout_s,
+            probe_timeout_s=self.job.client.probe_timeout_s, on_hang=self._cancel_for_requeue,
+        )
         loop = asyncio.get_running_loop()
         signals = _install_signals(loop, self._on_signal)
         view = ProgressView(self.stats.snapshot, live=self.opts.progress,
                             interval_s=self.job.progress_interval_s)
+        helpers: list[asyncio.Task[None]] = []
         try:
-            async with (
-                ChatClient(api_key=api_key(self.job), idle_timeout_s=self.job.client.idle_timeout_s,
-                           connect_timeout_s=self.job.client.connect_timeout_s,
-                           clock=self.clock) as client,
-                OutcomeWriter(self.opts.out_dir) as writer,
-            ):
-                progress = asyncio.create_task(view.run(), name="progress")
-                watch = asyncio.create_task(self._watch_writer(writer))
-                try:
-                    async with asyncio.TaskGroup() as tg:
-                        for name, samples in by_partition.items():
-                            tg.create_task(self._dispatch(name, samples, client, writer, tg))
-                finally:
-                    progress.cancel()
-                    watch.cancel()
+            async with OutcomeWriter(self.opts.out_dir) as writer:
+                helpers = [asyncio.create_task(c) for c in (
+                    view.run(), self._watch_writer(writer), pool.watch(self._state.stop),
+                    self._watch_outages(pool))]
+                async with asyncio.TaskGroup() as tg:
+                    for name, queue in self._queues.items():
+                        tg.create_task(self._dispatch(queue, client, writer, tg), name=name)
+                for t in helpers:
+                    t.cancel()
+                await asyncio.gather(*helpers, return_exceptions=True)
         finally:
+            for t in helpers:
+                t.cancel()
+            await pool.close()
             for sig in signals:
                 loop.remove_signal_handler(sig)
-        if writer.error is not None:
-            raise writer.error
+
+    async def _probe(self, client: ChatClient, url: str) -> None:
+        body = {"model": self.job.model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "ping"}]}
+        await client.chat(url, body)
 
     async def _watch_writer(self, writer: OutcomeWriter) -> None:
         await writer.failed.wait()
-        self._state.request_stop("disk error")
+        self._state.request_stop("disk error", exit_code=1)
         self._cancel_in_flight()
+
+    async def _watch_outages(self, pool: ServerPool) -> None:
+        give_up = self.job.client.server_down_give_up_s
+        while not self._state.stop.is_set():
+            waiting = sum(len(q.samples) + q.in_flight for q in self._queues.values())
+            note = pool.note(waiting)
+            if note or self.stats.note.startswith("server "):
+                self.stats.note = note
+            down_s = pool.all_down_for_s()
+            if give_up is not None and down_s > give_up:
+                self._state.request_stop(
+                    f"every server down for {down_s:.0f}s (server_down_give_up_s)", exit_code=3)
+                self._cancel_in_flight()
+                for q in self._queues.values():
+                    q.wake.set()
+            await self.clock.sleep(1.0)
 
     def _on_signal(self, sig: int) -> None:
         if self._state.stop.is_set():
             self._state.stop_reason = "aborted by a second signal"
             self._cancel_in_flight()
             return
-        self._state.request_stop(f"{signal.Signals(sig).name}")
+        self._state.request_stop(signal.Signals(sig).name)
+        for q in self._queues.values():
+            q.wake.set()
         self.stats.note = (f"stopping: no new requests; waiting up to {self.opts.grace_s:.0f}s "
                            "for those in flight (signal again to abort)")
         asyncio.get_running_loop().call_later(self.opts.grace_s, self._cancel_in_flight)
@@ -228,53 +297,105 @@ class Runner:
         for t in list(self._state.tasks):
             t.cancel()
 
-    async def _dispatch(self, partition: str, samples: list[Sample], client: ChatClient,
-                        writer: OutcomeWriter, tg: asyncio.TaskGroup) -> None:
-        slots = asyncio.Semaphore(self.job.partitions[partition].concurrency)
-        stop = self._state.stop
-        for sample in samples:
-            await slots.acquire()
-            if stop.is_set():
-                slots.release()
-                return
-            server = min(self._servers, key=lambda s: s.in_flight)
-            server.in_flight += 1
-            self.stats.started(sample.category)
-            task = tg.create_task(self._request(sample, server, client, writer, slots))
-            self._state.tasks.add(task)
-            task.add_done_callback(self._state.tasks.discard)
+    def _cancel_for_requeue(self, server: ServerState) -> None:
+        for t in list(server.tasks):
+            self._state.requeue.add(t)
+            t.cancel()
 
-    async def _request(self, sample: Sample, server: _Server, client: ChatClient,
-                       writer: OutcomeWriter, slots: asyncio.Semaphore) -> None:
+    async def _dispatch(self, queue: _Queue, client: ChatClient, writer: OutcomeWriter,
+                        tg: asyncio.TaskGroup) -> None:
+        assert self.pool is not None
+        stop = self._state.stop
+        while not stop.is_set():
+            if not queue.samples:
+                if not queue.in_flight:
+                    return
+                queue.wake.clear()
+                await queue.wake.wait()  # a request finished or came back
+                continue
+            await queue.slots.acquire()
+            server = await self.pool.acquire(stop)
+            if server is None or not queue.samples:
+                queue.slots.release()
+                continue
+            sample = queue.samples.popleft()
+            queue.in_flight += 1
+            self.stats.started(sample.category)
+            task = tg.create_task(self._request(sample, server, queue, client, writer))
+            self._state.tasks.add(task)
+            server.tasks.add(task)
+            task.add_done_callback(self._state.tasks.discard)
+            task.add_done_callback(server.tasks.discard)
+
+    async def _request(self, sample: Sample, server: ServerState, queue: _Queue,
+                       client: ChatClient, writer: OutcomeWriter) -> None:
+        assert self.pool is not None
+        requeue = False
         try:
-            outcome = await self._generate(sample, server.url, client)
+            outcome = await self._generate(sample, server, client)
+        except _Bounce as b:
+            self.pool.mark_down(server, str(b.err))
+            requeue = True
         except asyncio.CancelledError:
-            self.stats.cancelled(sample.category)
-            raise
+            task = asyncio.current_task()
+            if task is None or task not in self._state.requeue:
+                self.stats.cancelled(sample.category)
+                raise
+            self._state.requeue.discard(task)
+            task.uncancel()
+            requeue = True
         finally:
             server.in_flight -= 1
-            slots.release()
+            self.pool.progress(server)
+            queue.in_flight -= 1
+            queue.slots.release()
+            queue.wake.set()
+        if requeue:
+            self.stats.cancelled(sample.category)
+            queue.samples.appendleft(sample)
+            return
         self.stats.finished(outcome)
         await writer.put(outcome)
 
-    async def _generate(self, sample: Sample, url: str, client: ChatClient) -> Record | Failure:
+    async def _generate(self, sample: Sample, server: ServerState,
+                        client: ChatClient) -> Record | Failure:
         messages = list(sample.messages)
         turns: list[Turn] = []
         attempts = 0
         followups = list(sample.followups)
+        pool = self.pool
+        assert pool is not None
+
+        def on_token() -> None:
+            self.stats.token()
+            pool.progress(server)
+
+        async def send(body: dict[str, Any]) -> Any:
+            try:
+                return await client.chat(server.url, body, on_token=on_token)
+            except ServerDown as e:
+                self._state.outages[sample.id] += 1
+                if self._state.outages[sample.id] <= self.job.client.max_outage_requeues:
+                    raise _Bounce(e) from e
+                raise
+
         while True:
             body = request_body(sample, self._base, messages)
             try:
                 done, used = await with_retries(
-                    lambda body=body: client.chat(url, body, on_token=self.stats.token),  # type: ignore[misc]
+                    lambda body=body: send(body),  # type: ignore[misc]
                     self._backoff, clock=self.clock, rng=self._rng,
                     on_retry=lambda *_: self.stats.retried(),
                 )
             except RequestError as e:
                 return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
-                               e.reason, str(e), attempts + getattr(e, "attempts", 1), url,
-                               self.clock.time())
+                               e.reason, str(e), attempts + getattr(e, "attempts", 1),
+                               server.url, self.clock.time())
             attempts += used
+            if done.finish_reason == "content_filter":
+                return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
+                               "content_filter", "the server's content filter stopped the "
+                               "answer", attempts, server.url, self.clock.time())
             turns.append(Turn(done.content, done.reasoning, done.finish_reason,
                               done.prompt_tokens, done.completion_tokens, done.ttft_s,
                               done.duration_s))
@@ -284,8 +405,31 @@ class Runner:
             messages.append({"role": "assistant", "content": done.content})
             messages.append({"role": "user", "content": followups.pop(0)})
         return Record(sample.id, sample.fingerprint, sample.category, sample.partition,
-                      sample.messages, sample.followups, tuple(turns), url, attempts,
+                      sample.messages, sample.followups, tuple(turns), server.url, attempts,
                       self.clock.time())
+
+
+def _set_aside_too_long(plan: Plan, todo: list[Sample],
+                        context: int) -> tuple[Plan, list[Sample]]:
+    """Prompts that cannot fit the servers' context become rejected rows, not requests.
+
+    An estimated count only rejects when it is twice the context, so a rough estimate never
+    throws away a prompt the server would have taken; the server's own 400 covers the rest.
+    """
+    limit = context if plan.token_count_label.startswith("tokenizer") else 2 * context
+    too_long = {s.id for s in plan.samples if s.prompt_tokens > limit}
+    if not too_long:
+        return plan, todo
+    rejected = list(plan.rejected)
+    for s in plan.samples:
+        if s.id in too_long:
+            src, _, row = s.source.rpartition(":")
+            rejected.append(Rejected(s.category, src, int(row) if row.isdigit() else -1,
+                                     f"prompt_too_long: {s.prompt_tokens} prompt tokens > the "
+                                     f"server's context of {context}"))
+    kept = [s for s in plan.samples if s.id not in too_long]
+    return replace(plan, samples=kept, rejected=rejected), [
+        s for s in todo if s.id not in too_long]
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[int]:
@@ -303,4 +447,4 @@ async def run_job(job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) 
     return await Runner(job, opts, clock=clock).run()
 
 
-__all__ = ["RunOptions", "RunSummary", "Runner", "run_job"]
+__all__ = ["RunOptions", "RunSummary", "Runner", "read_api_key", "run_job"]

@@ -88,7 +88,7 @@ async def test_transient_errors_are_retried_and_permanent_ones_recorded(tmp_path
         if q == "question 0":
             return error_reply(400, "This model's maximum context length is 16 tokens.")
         if q == "question 1":
-            return Reply(status=503, body=b"overloaded")  # never recovers
+            return Reply(status=504, body=b"gateway timeout")  # never recovers
         if tries[q] == 1:
             return Reply(status=500, body=b"oops")
         return echo(body)
@@ -192,3 +192,30 @@ async def test_an_error_inside_the_stream_is_retried(tmp_path: Path) -> None:
     assert summary.done == 1 and calls["n"] == 2
     st = read_status(tmp_path / "out")
     assert st.done == 1
+
+
+async def test_a_server_outage_requeues_without_charging_retries(tmp_path: Path) -> None:
+    state = {"down": True, "answered_while_down": 0}
+
+    def outage(body: dict[str, Any]) -> Reply:
+        if last_user(body) == "ping" and state["answered_while_down"] >= 3:
+            state["down"] = False  # the server is back by the fourth probe
+        if state["down"]:
+            state["answered_while_down"] += 1
+            return Reply(status=503, body=b"restarting")
+        return echo(body)
+
+    job = make_job(tmp_path, rows(4), conc=2)
+    async with FakeServer(responder=outage) as server:
+        summary = await run(job, server)
+    assert (summary.done, summary.failed) == (4, 0)
+    st = read_status(tmp_path / "out")
+    assert st.done == 4
+    ledger = [orjson.loads(x) for x in (tmp_path / "out" / "ledger.jsonl").read_bytes().split()]
+    # The 503s during the outage were not charged: each sample took one attempt.
+    assert {e["attempts"] for e in ledger} == {1}
+    manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    events = manifest["runs"][-1]["server_events"]
+    assert any("down" in e for e in events) and any("up again" in e for e in events)
+    # The first probe met the outage, the second found the server back.
+    assert [last_user(s.body) for s in server.seen].count("ping") == 2

@@ -157,6 +157,24 @@ class ChatClient:
             except (aiohttp.ClientError, TimeoutError) as err:
                 raise self._mid_stream_error(err) from err
 
+    async def context_tokens(self, server_url: str, *, timeout_s: float = 10.0) -> int | None:
+        """The server's context length: vLLM and SGLang list `max_model_len` in /v1/models,
+        older SGLang has `context_length` in /server_info. None when neither answers."""
+        session = self._session
+        if session is None:
+            raise RuntimeError("use ChatClient inside `async with`")
+        base = _chat_url(server_url).removesuffix(CHAT_PATH)
+        for path, pick in (("/v1/models", _models_context), ("/server_info", _info_context)):
+            try:
+                async with asyncio.timeout(timeout_s), session.get(base + path) as r:
+                    if r.status == 200:
+                        found = pick(orjson.loads(await r.read()))
+                        if found:
+                            return found
+            except (aiohttp.ClientError, TimeoutError, *_MALFORMED):
+                continue
+        return None
+
     async def _read_stream(
         self,
         response: aiohttp.ClientResponse,
@@ -282,6 +300,16 @@ class ChatClient:
             return Transient(f"stream stalled: no data for {self._idle_timeout_s:g}s")
         detail = redact(str(err) or type(err).__name__, self._api_key)
         return Transient(f"stream broken: {type(err).__name__}: {detail}")
+
+
+def _models_context(obj: Any) -> int | None:
+    value = obj["data"][0].get("max_model_len")
+    return int(value) if isinstance(value, int) else None
+
+
+def _info_context(obj: Any) -> int | None:
+    value = obj.get("context_length") or obj.get("max_req_input_len")
+    return int(value) if isinstance(value, int) else None
 
 
 def _chat_url(server_url: str) -> str:
