@@ -122,6 +122,8 @@ def error_reply(status: int, message: str, *, nested: bool = True) -> Reply:
 @dataclass
 class FakeServer:
     replies: list[Reply] = field(default_factory=list)
+    # Served as max_model_len at GET /v1/models when set (404 otherwise).
+    context_tokens: int | None = None
     # Answers by request body instead of script order (for concurrent callers).
     responder: Callable[[dict[str, Any]], Reply] | None = None
     seen: list[SeenRequest] = field(default_factory=list)
@@ -141,6 +143,7 @@ class FakeServer:
     async def __aenter__(self) -> Self:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -152,6 +155,12 @@ class FakeServer:
         self._closing.set()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if self.context_tokens is None:
+            return web.Response(status=404)
+        data = {"data": [{"id": "fake", "max_model_len": self.context_tokens}]}
+        return web.Response(body=orjson.dumps(data), content_type="application/json")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None

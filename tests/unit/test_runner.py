@@ -26,18 +26,18 @@ categories:
   - {{name: chat, source: {{path: chat.jsonl, id_field: id}}, partition: short,
      system_prompt: "Be brief."}}
 multi_turn: {multi_turn}
-client: {{retry: {{max_attempts: 3, backoff_base_s: 0.001, backoff_max_s: 0.002}}}}
+client: {{{client}retry: {{max_attempts: 3, backoff_base_s: 0.001, backoff_max_s: 0.002}}}}
 progress_interval_s: 1000
 """
 
 
 def make_job(tmp_path: Path, rows: list[dict[str, Any]], *, conc: int = 4,
-             multi_turn: str = "last", extra: str = "") -> Path:
+             multi_turn: str = "last", extra: str = "", client: str = "") -> Path:
     with open(tmp_path / "chat.jsonl", "wb") as f:
         for r in rows:
             f.write(orjson.dumps(r) + b"\n")
     p = tmp_path / "job.yaml"
-    p.write_text(JOB.format(conc=conc, multi_turn=multi_turn) + extra)
+    p.write_text(JOB.format(conc=conc, multi_turn=multi_turn, client=client) + extra)
     return p
 
 
