@@ -38,7 +38,7 @@ Probe = Callable[[str], Awaitable[object]]
 class ServerPool:
     def __init__(self, urls: list[str], *, clock: Clock, probe: Probe,
                  hang_timeout_s: float, probe_timeout_s: float = 30.0,
-                 probe_interval_s: float = 2.0, probe_interval_max_s: float = 30.0,
+                 probe_interval_s: float = 1.0, probe_interval_max_s: float = 10.0,
                  on_hang: Callable[[ServerState], None] | None = None) -> None:
         self.servers = [ServerState(u) for u in urls]
         self._clock = clock

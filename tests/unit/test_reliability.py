@@ -84,7 +84,7 @@ async def test_api_key_from_a_file(tmp_path: Path) -> None:
 
 
 async def test_prompts_longer_than_the_servers_context_are_set_aside(tmp_path: Path) -> None:
-    data = rows(3) + [{"id": 99, "messages": [{"role": "user", "content": "word " * 4000}]}]
+    data = [*rows(3), {"id": 99, "messages": [{"role": "user", "content": "word " * 4000}]}]
     job = make_job(tmp_path, data)
     async with FakeServer(responder=echo, context_tokens=1000) as server:
         summary = await run(job, server)

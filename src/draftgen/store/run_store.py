@@ -13,7 +13,7 @@ import orjson
 
 from draftgen.errors import JobChangedError, StoreError
 from draftgen.sample import Record, Rejected, Sample
-from draftgen.store.atomic import write_atomic
+from draftgen.store.atomic import disk_error, write_atomic
 from draftgen.store.ledger import LedgerEntry, load_ledger
 from draftgen.store.shards import scan_tail, shard_paths, truncate
 
@@ -92,7 +92,11 @@ class RunStore:
         lock.truncate()
         lock.write(f"{os.getpid()}\n".encode())
         lock.flush()
-        entries, repair = _recover(out_dir)
+        try:
+            entries, repair = _recover(out_dir)
+        except OSError as e:
+            lock.close()
+            raise disk_error(out_dir, e) from None
         return cls(out_dir, entries, repair, lock)
 
     def close(self) -> None:

@@ -8,7 +8,6 @@ the runner as `DiskError`; everything committed before it stays valid.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import orjson
 
 from draftgen.errors import DiskError
 from draftgen.sample import Failure, Record
+from draftgen.store.atomic import disk_error
 from draftgen.store.ledger import LedgerEntry
 from draftgen.store.run_store import LEDGER, entry_for
 from draftgen.store.shards import ShardWriter
@@ -66,8 +66,12 @@ class OutcomeWriter:
             # Shielded: a cancelled run still commits what finished before it was cancelled.
             await asyncio.shield(self._task)
             self._task = None
-        self._shards.close()
-        self._ledger.close()
+        try:
+            self._shards.close()
+            self._ledger.close()
+        except OSError as e:
+            # Closing flushes again; a torn tail left by it is cut at the next open.
+            self.error = self.error or disk_error(self._out, e)
         if self.error is not None:
             raise self.error
 
@@ -84,7 +88,7 @@ class OutcomeWriter:
             try:
                 await asyncio.to_thread(self._commit, outcomes)  # type: ignore[arg-type]
             except OSError as e:
-                self.error = _disk_error(self._out, e)
+                self.error = disk_error(self._out, e)
                 self.failed.set()
 
     def _commit(self, outcomes: list[Outcome]) -> None:
@@ -95,12 +99,3 @@ class OutcomeWriter:
         self._ledger.write(b"".join(e.to_line() for e in entries))
         self._ledger.flush()
         os.fsync(self._ledger.fileno())
-
-
-def _disk_error(out_dir: Path, e: OSError) -> DiskError:
-    what = {errno.ENOSPC: "no space left on device", errno.EIO: "I/O error",
-            errno.EDQUOT: "disk quota exceeded"}.get(e.errno or 0, e.strerror or str(e))
-    return DiskError(
-        f"writing to {out_dir} failed: {what}. Dispatch stopped; every sample recorded before "
-        "this is intact. Free space (or fix the disk) and run the same command again to continue."
-    )
