@@ -161,7 +161,7 @@ def test_sigkill_at_ten_random_moments(local_engine: LocalEngine, tmp_path: Path
         proc = subprocess.Popen([*PY, "run", str(job)], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         with contextlib.suppress(AssertionError):
-            wait_for(lambda m=moment: ledger_lines(out) >= m or proc.poll() is not None, 120)
+            wait_for(lambda m=moment, p=proc: ledger_lines(out) >= m or p.poll() is not None, 120)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             kills += 1
