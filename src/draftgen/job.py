@@ -133,6 +133,12 @@ class JobSpec(_Strict):
     samples_per_prompt: int = Field(default=1, ge=1)
     multi_turn: Literal["last", "all"] = "last"
     seed: int = 0
+    # adaptive: admit by expected KV footprint against each server's capacity, corrected
+    # from its load; static: each partition's fixed `concurrency`.
+    scheduler: Literal["adaptive", "static"] = "adaptive"
+    # prefix: send prompts that share a system prompt / opening text together (prefix cache).
+    order: Literal["plan", "prefix"] = "plan"
+    poll_interval_s: float = Field(default=1.0, gt=0)
     output: str = "runs/out"
     client: Client = Field(default_factory=Client)
     progress_interval_s: float = Field(default=30.0, gt=0)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from draftgen.stats import Snapshot
+from draftgen.stats import ServerSnapshot, Snapshot
 
 
 def format_duration(s: float | None) -> str:
@@ -25,6 +25,21 @@ def format_duration(s: float | None) -> str:
     return f"{s // 60}m{s % 60:02d}s"
 
 
+def server_text(s: ServerSnapshot) -> str:
+    if not s.up:
+        return f"{s.url} DOWN"
+    parts = [f"{s.url}", f"{s.in_flight} in flight"]
+    if s.running is not None:
+        parts.append(f"running {s.running}, queued {s.waiting or 0}")
+    if s.kv_usage is not None:
+        parts.append(f"KV {s.kv_usage:.0%}")
+    if s.capacity is not None:
+        parts.append(f"of {s.capacity:,}")
+    if s.target is not None:
+        parts.append(f"target {s.target:,.0f}")
+    return " ".join(parts)
+
+
 def plain_line(snap: Snapshot) -> str:
     planned = snap.total("planned")
     done = snap.total("done")
@@ -35,6 +50,8 @@ def plain_line(snap: Snapshot) -> str:
         f"{snap.tok_s_window:,.0f} tok/s (1 min), {snap.tok_s_overall:,.0f} overall | "
         f"ETA {format_duration(snap.eta_s)}"
     )
+    for srv in snap.servers:
+        line += f" | {server_text(srv)}"
     return f"{line} | {snap.note}" if snap.note else line
 
 
@@ -45,12 +62,13 @@ def table(snap: Snapshot) -> Table:
     for c in snap.categories:
         t.add_row(c.name, f"{c.done}/{c.planned}", str(c.failed), str(c.truncated),
                   str(c.pending), str(c.in_flight), f"{c.output_tokens:,}")
-    t.caption = (
+    t.caption = "\n".join([
         f"{snap.tok_s_window:,.0f} tok/s over the last minute, {snap.tok_s_overall:,.0f} overall · "
         f"{snap.in_flight} in flight · retries {snap.retries} · "
-        f"elapsed {format_duration(snap.elapsed_s)} · ETA {format_duration(snap.eta_s)}"
-        + (f"\n{snap.note}" if snap.note else "")
-    )
+        f"elapsed {format_duration(snap.elapsed_s)} · ETA {format_duration(snap.eta_s)}",
+        *(server_text(srv) for srv in snap.servers),
+        *([snap.note] if snap.note else []),
+    ])
     return t
 
 

@@ -26,10 +26,14 @@ from draftgen.client import ChatClient
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError, RequestError, ServerDown
 from draftgen.job import JobSpec
+from draftgen.monitor import EventLog, RunMonitor
 from draftgen.plan import Plan, build_plan
 from draftgen.progress import ProgressView
 from draftgen.retry import Backoff, with_retries
 from draftgen.sample import Failure, Record, Rejected, Sample, Turn, base_body, request_body
+from draftgen.schedule.adaptive import AdaptiveScheduler
+from draftgen.schedule.base import PartitionView, Scheduler
+from draftgen.schedule.static import StaticScheduler
 from draftgen.serverpool import ServerPool, ServerState
 from draftgen.stats import RunStats, Snapshot
 from draftgen.store import RunStore
@@ -78,8 +82,6 @@ class _Bounce(Exception):
 @dataclass(slots=True)
 class _Queue:
     samples: deque[Sample]
-    slots: asyncio.Semaphore
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
     in_flight: int = 0
 
 
@@ -132,7 +134,10 @@ class Runner:
         self._urls = [u.rstrip("/") for u in (list(opts.servers) or
                                                [s.url for s in job.servers])]
         self._queues: dict[str, _Queue] = {}
+        self._wake = asyncio.Event()
         self.pool: ServerPool | None = None
+        self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
+                                     else StaticScheduler())
 
     async def run(self) -> RunSummary:
         plan = build_plan(self.job)
@@ -154,8 +159,13 @@ class Runner:
                 store.write_plan(plan.samples, plan.rejected)
                 self._count_plan(plan, store, {s.id for s in todo})
                 manifest = self._manifest_start(store, plan)
-                if todo:
-                    await self._run(todo, client)
+                events = EventLog(self.opts.out_dir)
+                self.scheduler._log = events.add
+                try:
+                    if todo:
+                        await self._run(todo, client, events)
+                finally:
+                    events.close()
             snap = self.stats.snapshot()
             summary = RunSummary(
                 self.opts.out_dir, snap.total("planned"), snap.total("done"),
@@ -168,7 +178,7 @@ class Runner:
                 sent=summary.sent, done=summary.done, failed=summary.failed,
                 truncated=summary.truncated, pending=summary.pending,
                 stopped=summary.stopped, retries=snap.retries,
-                server_events=self.pool.events if self.pool else [],
+                scheduler=self.scheduler.name, events=events.messages[-200:],
             )
             store.write_manifest(manifest)
         return summary
@@ -202,6 +212,7 @@ class Runner:
             self.stats.plan(cat, planned=n, max_tokens=max_tokens[cat])
             self.stats.already(cat, done=done[cat], failed=failed[cat], truncated=trunc[cat],
                                output_tokens=toks[cat])
+            self.scheduler.learn_prior(cat, done[cat], toks[cat])
 
     def _manifest_start(self, store: RunStore, plan: Plan) -> dict[str, Any]:
         manifest = store.read_manifest() or {"created_at": time.time(), "runs": []}
@@ -221,16 +232,21 @@ class Runner:
         store.write_manifest(manifest)
         return manifest
 
-    async def _run(self, todo: list[Sample], client: ChatClient) -> None:
-        for s in todo:
-            if s.partition not in self._queues:
-                conc = self.job.partitions[s.partition].concurrency
-                self._queues[s.partition] = _Queue(deque(), asyncio.Semaphore(conc))
-            self._queues[s.partition].samples.append(s)
+    async def _run(self, todo: list[Sample], client: ChatClient, events: EventLog) -> None:
+        for s in (prefix_order(todo) if self.job.order == "prefix" else todo):
+            self._queues.setdefault(s.partition, _Queue(deque())).samples.append(s)
         pool = self.pool = ServerPool(
             self._urls, clock=self.clock, probe=lambda url: self._probe(client, url),
             hang_timeout_s=self.job.client.hang_timeout_s,
             probe_timeout_s=self.job.client.probe_timeout_s, on_hang=self._cancel_for_requeue,
+            on_up=lambda _s: self._wake.set(), log=events.add,
+        )
+        monitor = RunMonitor(
+            self.opts.out_dir, pool=pool, scheduler=self.scheduler, stats=self.stats,
+            clock=self.clock, interval_s=self.job.poll_interval_s,
+            give_up_s=self.job.client.server_down_give_up_s,
+            waiting=lambda: sum(len(q.samples) + q.in_flight for q in self._queues.values()),
+            wake=self._wake.set, give_up=self._give_up, log=events.add,
         )
         loop = asyncio.get_running_loop()
         signals = _install_signals(loop, self._on_signal)
@@ -238,16 +254,18 @@ class Runner:
                             interval_s=self.job.progress_interval_s)
         helpers: list[asyncio.Task[None]] = []
         try:
-            async with OutcomeWriter(self.opts.out_dir) as writer:
+            async with monitor, OutcomeWriter(self.opts.out_dir) as writer:
+                # Capacity must be known before the first admission, or a burst goes out blind.
+                await monitor.poll()
                 helpers = [asyncio.create_task(c) for c in (
                     view.run(), self._watch_writer(writer), pool.watch(self._state.stop),
-                    self._watch_outages(pool))]
+                    monitor.run(self._state.stop))]
                 async with asyncio.TaskGroup() as tg:
-                    for name, queue in self._queues.items():
-                        tg.create_task(self._dispatch(queue, client, writer, tg), name=name)
+                    tg.create_task(self._dispatch(client, writer, tg), name="dispatch")
                 for t in helpers:
                     t.cancel()
                 await asyncio.gather(*helpers, return_exceptions=True)
+                monitor.record()
         finally:
             for t in helpers:
                 t.cancel()
@@ -262,33 +280,23 @@ class Runner:
 
     async def _watch_writer(self, writer: OutcomeWriter) -> None:
         await writer.failed.wait()
-        self._state.request_stop("disk error", exit_code=1)
+        self._stop("disk error", exit_code=1)
         self._cancel_in_flight()
 
-    async def _watch_outages(self, pool: ServerPool) -> None:
-        give_up = self.job.client.server_down_give_up_s
-        while not self._state.stop.is_set():
-            waiting = sum(len(q.samples) + q.in_flight for q in self._queues.values())
-            note = pool.note(waiting)
-            if note or self.stats.note.startswith("server "):
-                self.stats.note = note
-            down_s = pool.all_down_for_s()
-            if give_up is not None and down_s > give_up:
-                self._state.request_stop(
-                    f"every server down for {down_s:.0f}s (server_down_give_up_s)", exit_code=3)
-                self._cancel_in_flight()
-                for q in self._queues.values():
-                    q.wake.set()
-            await self.clock.sleep(1.0)
+    def _give_up(self, reason: str) -> None:
+        self._stop(reason, exit_code=3)
+        self._cancel_in_flight()
+
+    def _stop(self, reason: str, exit_code: int = 0) -> None:
+        self._state.request_stop(reason, exit_code)
+        self._wake.set()
 
     def _on_signal(self, sig: int) -> None:
         if self._state.stop.is_set():
             self._state.stop_reason = "aborted by a second signal"
             self._cancel_in_flight()
             return
-        self._state.request_stop(signal.Signals(sig).name)
-        for q in self._queues.values():
-            q.wake.set()
+        self._stop(signal.Signals(sig).name)
         self.stats.note = (f"stopping: no new requests; waiting up to {self.opts.grace_s:.0f}s "
                            "for those in flight (signal again to abort)")
         asyncio.get_running_loop().call_later(self.opts.grace_s, self._cancel_in_flight)
@@ -302,24 +310,33 @@ class Runner:
             self._state.requeue.add(t)
             t.cancel()
 
-    async def _dispatch(self, queue: _Queue, client: ChatClient, writer: OutcomeWriter,
+    def _views(self) -> list[PartitionView]:
+        return [
+            PartitionView(name, self.job.partitions[name].concurrency,
+                          self.job.partitions[name].max_tokens, len(q.samples),
+                          q.samples[0] if q.samples else None, q.in_flight)
+            for name, q in self._queues.items()
+        ]
+
+    async def _dispatch(self, client: ChatClient, writer: OutcomeWriter,
                         tg: asyncio.TaskGroup) -> None:
+        """Ask the scheduler what to send each time something changes; never busy-waits."""
         assert self.pool is not None
-        stop = self._state.stop
-        while not stop.is_set():
-            if not queue.samples:
-                if not queue.in_flight:
-                    return
-                queue.wake.clear()
-                await queue.wake.wait()  # a request finished or came back
+        while not self._state.stop.is_set():
+            if not any(q.samples or q.in_flight for q in self._queues.values()):
+                return
+            self._wake.clear()
+            picked = self.scheduler.pick(self._views(), self.pool.servers)
+            if picked is None:
+                # A request ends or comes back, a load reading, a server up, or a stop.
+                await self._wake.wait()
                 continue
-            await queue.slots.acquire()
-            server = await self.pool.acquire(stop)
-            if server is None or not queue.samples:
-                queue.slots.release()
-                continue
+            name, server = picked
+            queue = self._queues[name]
             sample = queue.samples.popleft()
             queue.in_flight += 1
+            self.pool.assign(server)
+            self.scheduler.started(sample, server)
             self.stats.started(sample.category)
             task = tg.create_task(self._request(sample, server, queue, client, writer))
             self._state.tasks.add(task)
@@ -330,12 +347,11 @@ class Runner:
     async def _request(self, sample: Sample, server: ServerState, queue: _Queue,
                        client: ChatClient, writer: OutcomeWriter) -> None:
         assert self.pool is not None
-        requeue = False
+        outcome: Record | Failure | None = None
         try:
             outcome = await self._generate(sample, server, client)
         except _Bounce as b:
             self.pool.mark_down(server, str(b.err))
-            requeue = True
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task not in self._state.requeue:
@@ -343,14 +359,15 @@ class Runner:
                 raise
             self._state.requeue.discard(task)
             task.uncancel()
-            requeue = True
         finally:
             server.in_flight -= 1
             self.pool.progress(server)
             queue.in_flight -= 1
-            queue.slots.release()
-            queue.wake.set()
-        if requeue:
+            self.scheduler.ended(sample, server, outcome.output_tokens
+                                 if isinstance(outcome, Record) else None)
+            self._wake.set()
+        if outcome is None:
+            # Cut off by an outage or a hang: back to the front, no retry charged.
             self.stats.cancelled(sample.category)
             queue.samples.appendleft(sample)
             return
@@ -430,6 +447,18 @@ def _set_aside_too_long(plan: Plan, todo: list[Sample],
     kept = [s for s in plan.samples if s.id not in too_long]
     return replace(plan, samples=kept, rejected=rejected), [
         s for s in todo if s.id not in too_long]
+
+
+def prefix_order(samples: list[Sample]) -> list[Sample]:
+    """Samples that open alike (system prompt, first 512 characters of the first user turn)
+    side by side, so a server's prefix cache hits; otherwise plan order is kept."""
+
+    def key(s: Sample) -> tuple[str, str]:
+        system = s.messages[0]["content"] if s.messages[0]["role"] == "system" else ""
+        first_user = next(m["content"] for m in s.messages if m["role"] == "user")
+        return system, first_user[:512]
+
+    return sorted(samples, key=key)
 
 
 def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[int]:

@@ -39,7 +39,9 @@ class ServerPool:
     def __init__(self, urls: list[str], *, clock: Clock, probe: Probe,
                  hang_timeout_s: float, probe_timeout_s: float = 30.0,
                  probe_interval_s: float = 1.0, probe_interval_max_s: float = 10.0,
-                 on_hang: Callable[[ServerState], None] | None = None) -> None:
+                 on_hang: Callable[[ServerState], None] | None = None,
+                 on_up: Callable[[ServerState], None] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.servers = [ServerState(u) for u in urls]
         self._clock = clock
         self._probe = probe
@@ -48,33 +50,19 @@ class ServerPool:
         self._probe_interval_s = probe_interval_s
         self._probe_interval_max_s = probe_interval_max_s
         self._on_hang = on_hang
-        self._any_up = asyncio.Event()
-        self._any_up.set()
+        self._on_up = on_up
         self._probes: set[asyncio.Task[None]] = set()
-        self.events: list[str] = []
+        self._log = log or (lambda _msg: None)
 
     def up_servers(self) -> list[ServerState]:
         return [s for s in self.servers if s.up]
 
-    async def acquire(self, stop: asyncio.Event) -> ServerState | None:
-        """The up server with the fewest requests in flight; waits while all are down.
-        None once `stop` is set."""
-        while not stop.is_set():
-            ups = self.up_servers()
-            if ups:
-                server = min(ups, key=lambda s: s.in_flight)
-                if server.in_flight == 0:
-                    server.last_progress = self._clock.monotonic()
-                server.in_flight += 1
-                return server
-            waiters = [asyncio.ensure_future(self._any_up.wait()),
-                       asyncio.ensure_future(stop.wait())]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
-        return None
+    def assign(self, server: ServerState) -> None:
+        """A request starts on `server`."""
+        if server.in_flight == 0:
+            # An idle server has had no chance to show progress; its clock starts now.
+            server.last_progress = self._clock.monotonic()
+        server.in_flight += 1
 
     def progress(self, server: ServerState) -> None:
         server.last_progress = self._clock.monotonic()
@@ -86,9 +74,7 @@ class ServerPool:
         server.down_at = self._clock.monotonic()
         server.down_reason = reason
         server.downs += 1
-        self.events.append(f"{server.url} down: {reason}")
-        if not self.up_servers():
-            self._any_up.clear()
+        self._log(f"{server.url} down: {reason}")
         task = asyncio.create_task(self._probe_until_up(server), name=f"probe {server.url}")
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
@@ -97,11 +83,12 @@ class ServerPool:
         if server.up:
             return
         took = self._clock.monotonic() - server.down_at
-        self.events.append(f"{server.url} up again after {took:.0f}s")
+        self._log(f"{server.url} up again after {took:.0f}s")
         server.down_since = None
         server.down_reason = ""
         server.last_progress = self._clock.monotonic()
-        self._any_up.set()
+        if self._on_up is not None:
+            self._on_up(server)
 
     def all_down_for_s(self) -> float:
         """How long every server has been down (0 while any is up)."""

@@ -25,6 +25,20 @@ class CategorySnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerSnapshot:
+    """One server as the run sees it: state, the server's own load, the scheduler's target."""
+
+    url: str
+    up: bool
+    in_flight: int
+    capacity: int | None = None
+    kv_usage: float | None = None
+    running: int | None = None
+    waiting: int | None = None
+    target: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     elapsed_s: float
     categories: tuple[CategorySnapshot, ...]
@@ -35,6 +49,7 @@ class Snapshot:
     tok_s_overall: float
     eta_s: float | None
     note: str = ""
+    servers: tuple[ServerSnapshot, ...] = ()
 
     def total(self, attr: str) -> int:
         return sum(int(getattr(c, attr)) for c in self.categories)
@@ -86,6 +101,7 @@ class RunStats:
         self.sent = 0
         self.retries = 0
         self.note = ""
+        self.servers: tuple[ServerSnapshot, ...] = ()
 
     def plan(self, category: str, *, planned: int, max_tokens: int) -> None:
         c = self._cats.setdefault(category, _Counts())
@@ -154,4 +170,4 @@ class RunStats:
             for name, c in self._cats.items()
         )
         return Snapshot(elapsed, cats, sum(c.in_flight for c in cats), self.sent, self.retries,
-                        window, overall, eta, self.note)
+                        window, overall, eta, self.note, self.servers)

@@ -126,7 +126,7 @@ def test_engine_killed_and_restarted_twice_mid_run(
     assert "down since" in stderr  # the outage was visible in progress
     assert_each_planned_id_once(out, 240)
     manifest = orjson.loads((out / "manifest.json").read_bytes())
-    events = manifest["runs"][-1]["server_events"]
+    events = manifest["runs"][-1]["events"]
     assert sum("up again" in e for e in events) >= 2
 
 

@@ -34,7 +34,7 @@ async def test_a_hung_server_is_detected_by_the_watchdog_and_its_requests_requeu
         summary = await run(job, server)
     assert (summary.done, summary.failed) == (4, 0)
     manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
-    assert any("hung" in e for e in manifest["runs"][-1]["server_events"])
+    assert any("hung" in e for e in manifest["runs"][-1]["events"])
     ledger = [orjson.loads(x) for x in (tmp_path / "out" / "ledger.jsonl").read_bytes().split()]
     assert {e["attempts"] for e in ledger} == {1}  # the hang cost no retry
 

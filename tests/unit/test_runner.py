@@ -215,7 +215,7 @@ async def test_a_server_outage_requeues_without_charging_retries(tmp_path: Path)
     # The 503s during the outage were not charged: each sample took one attempt.
     assert {e["attempts"] for e in ledger} == {1}
     manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
-    events = manifest["runs"][-1]["server_events"]
+    events = manifest["runs"][-1]["events"]
     assert any("down" in e for e in events) and any("up again" in e for e in events)
     # The first probe met the outage, the second found the server back.
     assert [last_user(s.body) for s in server.seen].count("ping") == 2

@@ -1,0 +1,141 @@
+"""Watching a run from the side: server loads in, views and records out.
+
+`RunMonitor` polls every up server's load, hands each reading to the scheduler, keeps the
+per-server view in the stats, notes outages and gives up when asked to, and leaves three
+files for people and tools outside the process:
+
+    events.jsonl      every server and scheduler event with its reason (appended)
+    timeseries.jsonl  in flight, tok/s and per-server load every `SERIES_EVERY_S`
+    live.json         the latest snapshot of servers and targets (replaced atomically)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import orjson
+
+from draftgen.clock import Clock
+from draftgen.schedule.base import Scheduler
+from draftgen.schedule.load import LoadPoller, ServerLoad
+from draftgen.serverpool import ServerPool
+from draftgen.stats import RunStats, ServerSnapshot
+from draftgen.store.atomic import write_atomic
+
+EVENTS = "events.jsonl"
+SERIES = "timeseries.jsonl"
+LIVE = "live.json"
+SERIES_EVERY_S = 5.0
+
+
+class EventLog:
+    """Appends events to `events.jsonl`; this task is the file's only writer."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self._file: IO[bytes] = open(out_dir / EVENTS, "ab")
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+        self._file.write(orjson.dumps({"t": time.time(), "msg": message}) + b"\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class RunMonitor:
+    def __init__(self, out_dir: Path, *, pool: ServerPool, scheduler: Scheduler,
+                 stats: RunStats, clock: Clock, interval_s: float,
+                 give_up_s: float | None, waiting: Callable[[], int],
+                 wake: Callable[[], None], give_up: Callable[[str], None],
+                 log: Callable[[str], None]) -> None:
+        self._out = out_dir
+        self._pool = pool
+        self._scheduler = scheduler
+        self._stats = stats
+        self._clock = clock
+        self._interval_s = interval_s
+        self._give_up_s = give_up_s
+        self._waiting = waiting
+        self._wake = wake
+        self._give_up = give_up
+        self._log = log
+        self._session: aiohttp.ClientSession | None = None
+        self._pollers: dict[str, LoadPoller] = {}
+        self.loads: dict[str, ServerLoad] = {}
+        self._last_series = float("-inf")
+
+    async def __aenter__(self) -> RunMonitor:
+        self._session = aiohttp.ClientSession()
+        self._pollers = {
+            s.url: LoadPoller(self._session, s.url, clock=self._clock, log=self._log)
+            for s in self._pool.servers
+        }
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def poll(self) -> None:
+        """Read every up server's load once and pass it on."""
+        ups = self._pool.up_servers()
+        loads = await asyncio.gather(*(self._pollers[s.url].poll() for s in ups))
+        for server, load in zip(ups, loads, strict=True):
+            if load is not None:
+                self.loads[server.url] = load
+                self._scheduler.on_load(server, load)
+        self._stats.servers = tuple(self._server_view())
+        self._wake()
+
+    def _server_view(self) -> list[ServerSnapshot]:
+        targets = self._scheduler.targets()
+        out = []
+        for s in self._pool.servers:
+            load = self.loads.get(s.url)
+            out.append(ServerSnapshot(
+                s.url, s.up, s.in_flight,
+                capacity=load.kv_capacity_tokens if load else None,
+                kv_usage=load.kv_usage if load else None,
+                running=load.running if load else None,
+                waiting=load.waiting if load else None,
+                target=targets.get(s.url),
+            ))
+        return out
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll()
+            note = self._pool.note(self._waiting())
+            if note or self._stats.note.startswith("server "):
+                self._stats.note = note
+            down_s = self._pool.all_down_for_s()
+            if self._give_up_s is not None and down_s > self._give_up_s:
+                self._give_up(f"every server down for {down_s:.0f}s (server_down_give_up_s)")
+            if self._clock.monotonic() - self._last_series >= SERIES_EVERY_S:
+                self._last_series = self._clock.monotonic()
+                self.record()
+            await self._clock.sleep(self._interval_s)
+
+    def record(self) -> None:
+        """One time-series row and a fresh live.json."""
+        snap = self._stats.snapshot()
+        servers: dict[str, Any] = {
+            s.url: {"up": s.up, "in_flight": s.in_flight, "capacity": s.capacity,
+                    "kv_usage": s.kv_usage, "running": s.running, "waiting": s.waiting,
+                    "target": s.target}
+            for s in snap.servers
+        }
+        row = {"t": time.time(), "in_flight": snap.in_flight, "tok_s": snap.tok_s_window,
+               "servers": servers}
+        with open(self._out / SERIES, "ab") as f:
+            f.write(orjson.dumps(row) + b"\n")
+        write_atomic(self._out / LIVE, orjson.dumps(
+            {**row, "eta_s": snap.eta_s, "scheduler": self._scheduler.name,
+             "done": snap.total("done"), "pending": snap.total("pending")}))
