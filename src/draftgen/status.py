@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from draftgen.errors import StoreError
+from draftgen.quality.checks import quality_flags
 from draftgen.store.ledger import LedgerEntry, load_ledger
 from draftgen.store.run_store import LEDGER, LOCK, PLAN, REJECTED, read_manifest
 
@@ -23,6 +24,8 @@ class CategoryStatus:
     truncated: int = 0
     pending: int = 0
     output_tokens: int = 0
+    # Done samples with an output check flag other than truncation (left out of exports).
+    flagged: int = 0
 
 
 @dataclass(slots=True)
@@ -35,9 +38,12 @@ class RunStatus:
     truncated: int = 0
     pending: int = 0
     output_tokens: int = 0
+    flagged: int = 0
     rejected: int = 0
     stale: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+    # Done samples per output check code, truncation codes included.
+    flags: dict[str, int] = field(default_factory=dict)
     categories: dict[str, CategoryStatus] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +89,7 @@ def read_status(out_dir: Path) -> RunStatus:
     plan, entries = current_entries(out_dir)
     st = RunStatus(str(out_dir), is_running(out_dir), manifest=read_manifest(out_dir))
     failures: Counter[str] = Counter()
+    flags: Counter[str] = Counter()
     planned_ids = set()
     for p in plan:
         planned_ids.add(p["id"])
@@ -95,13 +102,17 @@ def read_status(out_dir: Path) -> RunStatus:
             cat.done += 1
             cat.truncated += e.trunc
             cat.output_tokens += e.otok
+            if e.flags:
+                flags.update(e.flags)
+                cat.flagged += bool(quality_flags(e.flags))
         else:
             cat.failed += 1
             failures[(e.reason or "error").split(":", 1)[0]] += 1
-    for name in ("total", "done", "failed", "truncated", "pending", "output_tokens"):
+    for name in ("total", "done", "failed", "truncated", "pending", "output_tokens", "flagged"):
         setattr(st, name, sum(getattr(c, name) for c in st.categories.values()))
     st.stale = sum(1 for i in entries if i not in planned_ids)
     st.failures = dict(failures)
+    st.flags = dict(flags)
     try:
         st.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines() if line)
     except FileNotFoundError:

@@ -9,25 +9,29 @@ core together, but stays in our session: this kernel schedules CPU time per sess
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
 from draftgen.errors import DraftgenError
+from draftgen.servers.process import (
+    answers_chat,
+    find_free_port,
+    log_tail,
+    reap_group,
+    signal_group,
+    terminate_group,
+)
 
-_LOG_TAIL_CHARS = 4000
+__all__ = ["EngineError", "LocalEngine", "find_free_port"]
+
 _POLL_INTERVAL_S = 0.5
 # After the server process exits, its children get this long to follow before SIGKILL.
 _GROUP_GRACE_S = 5.0
@@ -35,14 +39,6 @@ _GROUP_GRACE_S = 5.0
 
 class EngineError(DraftgenError):
     """The local engine could not be started, or died while starting."""
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class LocalEngine:
@@ -167,15 +163,18 @@ class LocalEngine:
         proc = self._proc
         if proc is None:
             return
-        self._signal_group(signal.SIGTERM)
-        # A suspended group would hold the SIGTERM until resumed.
-        self._signal_group(signal.SIGCONT)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self._signal_group(signal.SIGKILL)
+
+        def leader_exited(wait_s: float) -> bool:
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+
+        # process_group=0 made the server's pid its group id.
+        terminate_group(proc.pid, leader_exited, timeout_s=timeout_s, grace_s=_GROUP_GRACE_S)
+        if proc.poll() is None:
             proc.wait()
-        self._reap_group(_GROUP_GRACE_S)
         self._forget()
 
     def kill(self) -> None:
@@ -185,7 +184,7 @@ class LocalEngine:
             return
         self._signal_group(signal.SIGKILL)
         proc.wait()
-        self._reap_group(_GROUP_GRACE_S)
+        reap_group(proc.pid, _GROUP_GRACE_S)
         self._forget()
 
     def suspend(self) -> None:
@@ -208,46 +207,11 @@ class LocalEngine:
         self.stop()
 
     def _answers_chat(self) -> bool:
-        body = json.dumps(
-            {
-                "model": self.served_name,
-                "messages": [{"role": "user", "content": "ping"}],
-                "max_tokens": 1,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"{self.url}/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                reply = json.load(response)
-        except (OSError, ValueError):
-            # Refused while loading, 404 before routes exist, 503 while warming up.
-            return False
-        return bool(reply.get("choices"))
+        return answers_chat(self.url, self.served_name)
 
     def _signal_group(self, sig: signal.Signals) -> None:
-        if self._proc is None:
-            return
-        # process_group=0 made the server's pid its group id.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self._proc.pid, sig)
-
-    def _reap_group(self, grace_s: float) -> None:
-        """Wait for the server's children to leave, then SIGKILL any that stay."""
-        assert self._proc is not None
-        pgid = self._proc.pid
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
+        if self._proc is not None:
+            signal_group(self._proc.pid, sig)
 
     def _forget(self) -> None:
         self._proc = None
@@ -256,13 +220,4 @@ class LocalEngine:
             self._log = None
 
     def _log_tail(self) -> str:
-        if self.log_path is None:
-            return ""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - _LOG_TAIL_CHARS))
-                tail = f.read().decode("utf-8", errors="replace")
-        except OSError:
-            return f"(log {self.log_path} unreadable)"
-        return f"--- last lines of {self.log_path} ---\n{tail}"
+        return log_tail(self.log_path)

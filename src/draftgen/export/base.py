@@ -1,8 +1,10 @@
 """Choosing which records to export, and the bookkeeping every format shares.
 
 A format only turns one record into one row (`Format.row`) and, for binary formats, writes
-the rows (`Format.write`). Records are read in plan order, the latest ledger entry per id,
-and only where its request fingerprint still matches the plan.
+the rows (`Format.write`); `Format.prepare` sees the run once before the first row. Records
+are read in plan order, the latest ledger entry per id, and only where its request
+fingerprint still matches the plan. Samples flagged by the output checks are left out
+unless asked for; truncation keeps its own rule (`include_truncated`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any, BinaryIO, Literal
 import orjson
 
 from draftgen.errors import JobError
+from draftgen.quality.checks import check_turns, quality_flags
 from draftgen.status import current_entries
+from draftgen.store.run_store import read_manifest
 from draftgen.store.shards import read_at
 
 Reasoning = Literal["inline", "field", "drop"]
@@ -27,6 +31,10 @@ class ExportOptions:
     format: str = "specforge"
     reasoning: Reasoning = "inline"
     include_truncated: bool = False
+    # Also export samples the output checks flagged (loops, leaked reasoning, ...).
+    include_flagged: bool = False
+    # The `tokens` format's tokenizer (a local directory or hub name); default: the job's.
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +45,28 @@ class ExportSummary:
     truncated: int
     empty: int
     pending: int
+    flagged: int = 0
 
     def line(self) -> str:
         return (f"exported {self.exported} samples to {self.to}; left out: {self.failed} failed, "
-                f"{self.truncated} truncated, {self.empty} empty, {self.pending} pending")
+                f"{self.truncated} truncated, {self.flagged} flagged, {self.empty} empty, "
+                f"{self.pending} pending")
+
+
+@dataclass(frozen=True, slots=True)
+class ExportContext:
+    """What a format may need beyond one record: the run directory and its manifest."""
+
+    out_dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The `chat_template_kwargs` every request carried (the thinking switch), if any."""
+        job = self.manifest.get("job") or {}
+        extra = (job.get("sampling") or {}).get("extra_body") or {}
+        kwargs = extra.get("chat_template_kwargs")
+        return dict(kwargs) if isinstance(kwargs, dict) and kwargs else None
 
 
 def conversation(rec: dict[str, Any], reasoning: Reasoning) -> list[dict[str, str]]:
@@ -63,6 +89,11 @@ def conversation(rec: dict[str, Any], reasoning: Reasoning) -> list[dict[str, st
 
 class Format:
     suffix = ".jsonl"
+    ctx: ExportContext
+
+    def prepare(self, ctx: ExportContext, opts: ExportOptions) -> None:
+        """Called once before the first row; loads what every row shares."""
+        self.ctx = ctx
 
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         raise NotImplementedError
@@ -76,9 +107,10 @@ def _formats() -> dict[str, Format]:
     from draftgen.export.parquet import ParquetFormat
     from draftgen.export.sharegpt import ShareGPTFormat
     from draftgen.export.specforge import SpecForgeFormat
+    from draftgen.export.tokens import TokensFormat
 
     return {"specforge": SpecForgeFormat(), "sharegpt": ShareGPTFormat(),
-            "parquet": ParquetFormat()}
+            "parquet": ParquetFormat(), "tokens": TokensFormat()}
 
 
 def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
@@ -87,7 +119,9 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
     if fmt is None:
         raise JobError(f"--format: {opts.format!r} is not one of {sorted(formats)}")
     plan, entries = current_entries(out_dir)
-    counts = {"failed": 0, "truncated": 0, "empty": 0, "pending": 0, "exported": 0}
+    fmt.prepare(ExportContext(out_dir, read_manifest(out_dir)), opts)
+    counts = {"failed": 0, "truncated": 0, "empty": 0, "pending": 0, "exported": 0,
+              "flagged": 0}
     files: dict[str, BinaryIO] = {}
 
     def rows() -> Iterator[dict[str, Any]]:
@@ -103,6 +137,11 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
                 rec = read_at(out_dir, e.shard, e.off, e.len, files)
                 if not all((t["content"] or "").strip() for t in rec["turns"]):
                     counts["empty"] += 1
+                    continue
+                # Ledgers written before the checks existed carry no flags: check now.
+                flags = e.flags if e.flags is not None else check_turns(rec["turns"])
+                if quality_flags(flags) and not opts.include_flagged:
+                    counts["flagged"] += 1
                     continue
                 counts["exported"] += 1
                 yield fmt.row(rec, opts)
@@ -120,4 +159,4 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
             fh.close()
         tmp.unlink(missing_ok=True)
     return ExportSummary(to, counts["exported"], counts["failed"], counts["truncated"],
-                         counts["empty"], counts["pending"])
+                         counts["empty"], counts["pending"], counts["flagged"])

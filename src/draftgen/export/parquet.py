@@ -6,10 +6,11 @@ from collections.abc import Iterator
 from itertools import islice
 from typing import Any, BinaryIO
 
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draftgen.export.base import ExportOptions, Format, conversation
+from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
 
 SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -21,11 +22,14 @@ SCHEMA = pa.schema([
     ("prompt_tokens", pa.int64()),
     ("completion_tokens", pa.int64()),
     ("server", pa.string()),
+    # JSON text of the request's chat_template_kwargs (the thinking switch), or null.
+    ("chat_template_kwargs", pa.string()),
 ])
 
 
 class ParquetFormat(Format):
     suffix = ".parquet"
+    _kwargs_json: str | None = None
 
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         turns = rec["turns"]
@@ -38,7 +42,13 @@ class ParquetFormat(Format):
             "prompt_tokens": turns[0]["prompt_tokens"],
             "completion_tokens": sum(t["completion_tokens"] for t in turns),
             "server": rec["server"],
+            "chat_template_kwargs": self._kwargs_json,
         }
+
+    def prepare(self, ctx: ExportContext, opts: ExportOptions) -> None:
+        super().prepare(ctx, opts)
+        kwargs = ctx.template_kwargs
+        self._kwargs_json = orjson.dumps(kwargs).decode() if kwargs is not None else None
 
     def write(self, rows: Iterator[dict[str, Any]], f: BinaryIO) -> None:
         with pq.ParquetWriter(f, SCHEMA) as w:

@@ -12,7 +12,10 @@ _FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 class ShareGPTFormat(Format):
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         conv = conversation(rec, "inline" if opts.reasoning == "field" else opts.reasoning)
-        return {
+        row: dict[str, Any] = {
             "id": rec["id"],
             "conversations": [{"from": _FROM[m["role"]], "value": m["content"]} for m in conv],
         }
+        if (kwargs := self.ctx.template_kwargs) is not None:
+            row["chat_template_kwargs"] = kwargs
+        return row

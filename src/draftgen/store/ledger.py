@@ -29,6 +29,8 @@ class LedgerEntry:
     reason: str | None = None
     attempts: int = 0
     t: float = 0.0
+    # Output check codes (draftgen.quality.checks); None when clean or recorded before checks.
+    flags: list[str] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LedgerEntry:

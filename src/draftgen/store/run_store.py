@@ -12,6 +12,7 @@ from typing import IO, Any
 import orjson
 
 from draftgen.errors import JobChangedError, StoreError
+from draftgen.quality.checks import check_turns
 from draftgen.sample import Record, Rejected, Sample
 from draftgen.store.atomic import disk_error, write_atomic
 from draftgen.store.ledger import LedgerEntry, load_ledger
@@ -53,6 +54,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
             part=record.partition, shard=spot[0], off=spot[1], len=spot[2],
             otok=record.output_tokens, finish=record.finish_reason, trunc=record.truncated,
             attempts=record.attempts, t=record.finished_at,
+            flags=list(check_turns(record.turns)) or None,
         )
     turns = d.get("turns") or []
     return LedgerEntry(
@@ -62,6 +64,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
         finish=turns[-1].get("finish_reason") if turns else None,
         trunc=any(t.get("finish_reason") == "length" for t in turns),
         attempts=int(d.get("attempts") or 0), t=float(d.get("finished_at") or 0.0),
+        flags=list(check_turns(turns)) or None,
     )
 
 

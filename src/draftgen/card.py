@@ -1,0 +1,318 @@
+"""The dataset card: a Markdown report of what a run directory holds and how it was made.
+
+Counts come from the ledger; lengths, system prompts and servers from the stored records,
+read once in shard order; the recipe (model, sampling, servers) from the manifest. The
+card is what lets someone else reproduce the data, or decide not to train on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+
+from draftgen import __version__
+from draftgen.quality.checks import ALL_FLAGS, TRUNCATION_FLAGS, check_turns, quality_flags
+from draftgen.status import current_entries
+from draftgen.store.atomic import write_atomic
+from draftgen.store.ledger import LedgerEntry
+from draftgen.store.run_store import REJECTED, read_manifest
+from draftgen.store.shards import read_at
+
+CARD_NAME = "DATASET_CARD.md"
+# SpecForge's default --max-length.
+DEFAULT_MAX_LENGTH = 2048
+# System prompts longer than this are shown cut, with their full length and hash.
+PROMPT_SHOWN_CHARS = 1500
+
+
+@dataclass(slots=True)
+class CategoryFacts:
+    total: int = 0
+    done: int = 0
+    failed: int = 0
+    truncated: int = 0
+    flagged: int = 0
+    pending: int = 0
+    output_tokens: list[int] = field(default_factory=list)
+    flags: Counter[str] = field(default_factory=Counter)
+    # Done samples whose prompt + output exceed max_length.
+    too_long: int = 0
+    # System prompt text (None: no system message) -> samples that sent it.
+    system_prompts: Counter[str | None] = field(default_factory=Counter)
+
+
+@dataclass(slots=True)
+class CardFacts:
+    out_dir: Path
+    manifest: dict[str, Any]
+    max_length: int
+    categories: dict[str, CategoryFacts] = field(default_factory=dict)
+    servers: Counter[str] = field(default_factory=Counter)
+    rejected: int = 0
+
+    def total(self, name: str) -> int:
+        return sum(getattr(c, name) for c in self.categories.values())
+
+
+def write_card(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH,
+               now: float | None = None) -> Path:
+    """Write OUT/DATASET_CARD.md (replacing it) and return its path."""
+    path = out_dir / CARD_NAME
+    text = render_card(collect(out_dir, max_length=max_length), now=now)
+    write_atomic(path, text.encode())
+    return path
+
+
+def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts:
+    plan, entries = current_entries(out_dir)
+    facts = CardFacts(out_dir, read_manifest(out_dir), max_length)
+    done: list[LedgerEntry] = []
+    for p in plan:
+        cat = facts.categories.setdefault(p["category"], CategoryFacts())
+        cat.total += 1
+        e = entries.get(p["id"])
+        if e is None or e.fp != p["fingerprint"]:
+            cat.pending += 1
+        elif e.status != "done" or e.shard is None:
+            cat.failed += 1
+        else:
+            cat.done += 1
+            cat.truncated += e.trunc
+            cat.output_tokens.append(e.otok)
+            done.append(e)
+    for e, rec in _records(out_dir, done):
+        cat = facts.categories[e.cat]
+        turns = rec.get("turns") or []
+        flags = e.flags if e.flags is not None else list(check_turns(turns))
+        cat.flags.update(flags)
+        cat.flagged += bool(quality_flags(flags))
+        if turns and _conversation_tokens(turns[-1]) > max_length:
+            cat.too_long += 1
+        msgs = rec.get("messages") or []
+        system = msgs[0]["content"] if msgs and msgs[0].get("role") == "system" else None
+        cat.system_prompts[system] += 1
+        facts.servers[str(rec.get("server") or "unknown")] += 1
+    with contextlib.suppress(FileNotFoundError):
+        facts.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines()
+                             if line)
+    return facts
+
+
+def _records(out_dir: Path, done: list[LedgerEntry]) -> Iterator[tuple[LedgerEntry, Any]]:
+    """Each done entry's record, read in shard order (sequential reads, not plan order)."""
+    files: dict[str, BinaryIO] = {}
+    try:
+        for e in sorted(done, key=lambda e: (e.shard or "", e.off)):
+            assert e.shard is not None
+            yield e, read_at(out_dir, e.shard, e.off, e.len, files)
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _conversation_tokens(last_turn: dict[str, Any]) -> int:
+    # The last turn's prompt holds every earlier turn, so this is the whole conversation
+    # as the server tokenized it (chat template included).
+    return int(last_turn.get("prompt_tokens") or 0) + int(last_turn.get("completion_tokens") or 0)
+
+
+def percentile(sorted_values: Sequence[int], q: float) -> int:
+    """Nearest-rank percentile of an ascending sequence (q in 0..100)."""
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def _pct(n: int, of: int) -> str:
+    return f"{100 * n / of:.1f}%" if of else "–"
+
+
+def render_card(facts: CardFacts, *, now: float | None = None) -> str:
+    m = facts.manifest
+    job = m.get("job") or {}
+    stamp = datetime.fromtimestamp(time.time() if now is None else now, UTC)
+    out: list[str] = [
+        f"# Dataset card: {facts.out_dir.name}",
+        "",
+        f"Written by draftgen {__version__} on {stamp:%Y-%m-%d %H:%M} UTC from "
+        f"`{facts.out_dir}`; the data was generated by draftgen "
+        f"{m.get('draftgen_version', 'unknown')}.",
+        "",
+    ]
+    out += _counts_section(facts)
+    out += _flags_section(facts)
+    out += _lengths_section(facts)
+    out += _max_length_section(facts)
+    out += _recipe_section(job, m)
+    out += _servers_section(facts, m)
+    out += _system_prompts_section(facts)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(head))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return [*lines, ""]
+
+
+def _counts_section(f: CardFacts) -> list[str]:
+    names = ("total", "done", "failed", "truncated", "flagged", "pending")
+    rows: list[list[object]] = [
+        [cat, *(getattr(c, n) for n in names), sum(c.output_tokens)]
+        for cat, c in f.categories.items()
+    ]
+    rows.append(["**all**", *(f.total(n) for n in names),
+                 sum(sum(c.output_tokens) for c in f.categories.values())])
+    done, trunc, flagged = f.total("done"), f.total("truncated"), f.total("flagged")
+    in_reasoning = sum(c.flags["truncated_in_reasoning"] for c in f.categories.values())
+    return [
+        "## Samples", "",
+        *_table(["category", *names, "output tokens"], rows),
+        f"Truncated (hit max_tokens): {trunc} of {done} done ({_pct(trunc, done)}), "
+        f"{in_reasoning} of them inside the reasoning. Flagged by the output checks: "
+        f"{flagged} ({_pct(flagged, done)}). Exports leave out truncated and flagged "
+        "samples unless asked (`--include-truncated`, `--include-flagged`). "
+        f"Source rows set aside: {f.rejected}.",
+        "",
+    ]
+
+
+def _flags_section(f: CardFacts) -> list[str]:
+    cats = list(f.categories)
+    rows = []
+    for code in ALL_FLAGS:
+        counts = [f.categories[c].flags[code] for c in cats]
+        if any(counts):
+            label = code + (" (truncation)" if code in TRUNCATION_FLAGS else "")
+            rows.append([label, *counts, sum(counts), _pct(sum(counts), f.total("done"))])
+    if not rows:
+        return ["## Output checks", "", "No sample was flagged.", ""]
+    return ["## Output checks", "",
+            "Done samples per flag (a sample can carry several):", "",
+            *_table(["flag", *cats, "all", "% of done"], rows)]
+
+
+def _lengths_section(f: CardFacts) -> list[str]:
+    rows = []
+    every: list[int] = []
+    for cat, c in f.categories.items():
+        every += c.output_tokens
+        rows.append(_length_row(cat, c.output_tokens))
+    rows.append(_length_row("**all**", every))
+    return ["## Output length (tokens per sample)", "",
+            *_table(["category", "samples", "min", "p50", "p90", "p99", "max"], rows)]
+
+
+def _length_row(name: str, values: list[int]) -> list[object]:
+    if not values:
+        return [name, 0, "–", "–", "–", "–", "–"]
+    v = sorted(values)
+    return [name, len(v), v[0], percentile(v, 50), percentile(v, 90), percentile(v, 99), v[-1]]
+
+
+def _max_length_section(f: CardFacts) -> list[str]:
+    n, done = f.total("too_long"), f.total("done")
+    head = ["## Training length", ""]
+    if not n:
+        return [*head, f"All {done} done samples fit in max_length={f.max_length} tokens "
+                "(prompt + output, as the server counted them).", ""]
+    per_cat = ", ".join(f"{cat} {c.too_long}" for cat, c in f.categories.items() if c.too_long)
+    return [*head,
+            f"> **Warning:** {n} of {done} done samples ({_pct(n, done)}) are longer than "
+            f"max_length={f.max_length} tokens (prompt + output, as the server counted "
+            "them); a trainer with that limit (SpecForge's default is 2048) would cut them. "
+            f"Per category: {per_cat}.", ""]
+
+
+def _recipe_section(job: dict[str, Any], m: dict[str, Any]) -> list[str]:
+    if not job:
+        return ["## Model and sampling", "", "The manifest holds no job.", ""]
+    sampling = job.get("sampling") or {}
+    set_fields = {k: v for k, v in sampling.items() if v not in (None, {}, [])}
+    parts = job.get("partitions") or {}
+    rows = [[name, p.get("max_tokens"), p.get("concurrency"), p.get("min_prompt_tokens", 0)]
+            for name, p in parts.items()]
+    plan = m.get("plan") or {}
+    return [
+        "## Model and sampling", "",
+        f"- model: `{job.get('model')}`",
+        f"- tokenizer: `{job.get('tokenizer')}`" if job.get("tokenizer") else "- tokenizer: none",
+        f"- job file: `{m.get('job_file') or 'unknown'}`",
+        f"- samples per prompt: {job.get('samples_per_prompt', 1)}; multi-turn: "
+        f"{job.get('multi_turn', 'last')}; seed: {job.get('seed', 0)}",
+        f"- planned samples: {plan.get('samples', '?')}; prompt token counts: "
+        f"{plan.get('token_count', '?')}",
+        "", "Sampling (sent with every request; unset fields were not sent):", "",
+        *_json_block(set_fields),
+        *_table(["partition", "max_tokens", "concurrency", "min_prompt_tokens"], rows),
+    ]
+
+
+def _servers_section(f: CardFacts, m: dict[str, Any]) -> list[str]:
+    out = ["## Servers and runs", ""]
+    runs = m.get("runs") or []
+    rows = []
+    for i, r in enumerate(runs, 1):
+        started = r.get("started_at")
+        when = (f"{datetime.fromtimestamp(started, UTC):%Y-%m-%d %H:%M}"
+                if isinstance(started, (int, float)) else "?")
+        rows.append([i, when, r.get("duration_s", "?"), ", ".join(r.get("servers") or []),
+                     r.get("sent", "?"), r.get("done", "?"), r.get("failed", "?"),
+                     r.get("stopped") or ""])
+    if rows:
+        out += _table(["run", "started (UTC)", "seconds", "servers", "sent", "done", "failed",
+                       "stopped"], rows)
+    if f.servers:
+        out += ["Done samples per server:", "",
+                *_table(["server", "samples"], f.servers.most_common())]
+    # What the servers reported about themselves (engine, KV dtype, ...), wherever the
+    # manifest keeps it.
+    info = {k: v for k, v in m.items() if "server" in k and not k.endswith("events") and v}
+    for i, r in enumerate(runs, 1):
+        info.update({f"run {i} {k}": v for k, v in r.items()
+                     if "server" in k and k != "servers" and not k.endswith("events") and v})
+    for k, v in info.items():
+        out += [f"{k}:", "", *_json_block(v)]
+    return out
+
+
+def _system_prompts_section(f: CardFacts) -> list[str]:
+    out = ["## System prompts", "",
+           "Exactly as sent, per category (each distinct prompt once).", ""]
+    for cat, c in f.categories.items():
+        out += [f"### {cat}", ""]
+        if not c.system_prompts:
+            out += ["No done samples.", ""]
+        for text, n in c.system_prompts.most_common():
+            if text is None:
+                out += [f"- {n} samples: no system message", ""]
+                continue
+            digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+            shown = text if len(text) <= PROMPT_SHOWN_CHARS else (
+                text[:PROMPT_SHOWN_CHARS] + f"\n… ({len(text) - PROMPT_SHOWN_CHARS} more chars)")
+            out += [f"- {n} samples, {len(text)} chars, sha256 {digest}:", "",
+                    *_fenced(shown)]
+    return out
+
+
+def _json_block(value: object) -> list[str]:
+    return _fenced(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+                   .decode(), "json")
+
+
+def _fenced(text: str, lang: str = "") -> list[str]:
+    # A fence longer than any backtick run inside, so no prompt can end the block early.
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence + lang, text, fence, ""]

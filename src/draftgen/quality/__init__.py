@@ -1,0 +1,1 @@
+"""Data quality: checks on generated outputs, and server-configuration probes."""

@@ -1,0 +1,457 @@
+"""A/B probe: how far a candidate server configuration (fp8 KV, say) drifts from a reference.
+
+Both servers serve the same model. For each prompt:
+
+1. The chat prompt is rendered to token ids once, by the reference (vLLM `/tokenize`;
+   SGLang's chat endpoint with `return_prompt_token_ids`), so both servers see the same ids.
+2. The reference continues it greedily (`max_tokens`, temperature 0, penalties off).
+3. Both servers score prompt + that continuation by teacher forcing — vLLM `/v1/completions`
+   with `prompt_logprobs`, SGLang `/generate` with `max_new_tokens: 0` and
+   `logprob_start_len` — returning, per continuation position, the forced token's
+   log-probability and the top-k. The reference is scored the same way as the candidate so
+   the two distributions come from the same code path at the same positions.
+4. The candidate also continues the prompt greedily; its tokens are compared with the
+   reference's (matching prefix, first divergence, exact match).
+
+Tokens are identified by id everywhere; token strings are ambiguous (byte fragments decode to
+"" or U+FFFD).
+
+KL estimator. Only the top-k of each distribution is known, plus the forced token. The
+vocabulary is split into cells: each token whose log-probability both servers report (the
+intersection of the two top-k sets, plus the forced token) is a cell of its own, and
+everything else is one "rest" cell holding the remaining mass (1 - the cells' sum) on each
+side. KL(reference ‖ candidate) over these cells is computed exactly, with no imputed values
+and no renormalisation. Merging tokens into a cell can only lower KL (the log-sum
+inequality), so this is a lower bound on the full-vocabulary KL that becomes exact as the
+top-k covers the mass; it is never inflated by guessing the tail.
+
+Caveat: teacher forcing is one prefill. Engines whose prefill attends to the freshly
+computed K/V without going through the quantised cache (SGLang's ragged extend kernels)
+show less KV-quantisation drift in this score than in decoding; vLLM reads attention from
+the cache in prefill too. The greedy-divergence numbers come from real decoding on both
+servers and see the KV cache as generation does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from draftgen.errors import DraftgenError, JobError
+from draftgen.job import Source
+from draftgen.quality.probe_servers import Http, Position, ProbeError, ScoringServer, connect
+from draftgen.sample import Message
+from draftgen.sources.base import RowRejection, normalise_row, shape
+from draftgen.store.atomic import write_atomic
+
+__all__ = [
+    "Position", "ProbeError", "ProbeResult", "ProbeThresholds", "PromptProbe", "compare_prompt",
+    "format_report", "load_prompts", "matching_prefix", "probe_command", "run_probe",
+    "summarise", "topk_kl",
+]
+
+DEMO_PROMPTS_DIR = Path(__file__).resolve().parents[3] / "examples" / "demo" / "prompts"
+# Used when neither --prompts nor the demo prompts (a source checkout) are at hand.
+BUILTIN_PROMPTS = (
+    "Explain the difference between weather and climate in two sentences.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "A train leaves at 09:40 and arrives at 13:05. How long is the journey?",
+    "Translate into French: 'The library opens at nine on weekdays.'",
+    "List three ways to reduce the memory use of a large pandas DataFrame.",
+    "If all bloops are razzies and some razzies are lazzies, must some bloops be lazzies?",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "What does the HTTP status code 429 mean, and how should a client react to it?",
+)
+# Cells with less mass than this on the reference side add nothing measurable; on the
+# candidate side the floor keeps log(0) out when rounding leaves no rest mass.
+_MASS_FLOOR = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeThresholds:
+    """Verdict limits. Starting points for a real model; calibrate them by probing the
+    reference against itself (or a twin server), which shows the noise floor."""
+
+    max_mean_kl: float = 0.01  # nats per position
+    min_top1: float = 0.97  # share of positions where the two servers' argmax agree
+    min_exact_match: float | None = None  # share of identical greedy continuations
+
+
+@dataclass(frozen=True, slots=True)
+class PromptProbe:
+    index: int
+    prompt_tokens: int
+    tokens: int  # length of the reference's greedy continuation
+    kls: tuple[float, ...]  # per continuation position
+    top1_hits: int  # positions where the candidate's argmax is (one of) the reference's
+    reference_top1_hits: int  # positions where the reference's greedy token is its argmax
+    matching_prefix: int  # leading tokens the two greedy continuations share
+    exact_match: bool
+
+    @property
+    def first_divergence(self) -> int | None:
+        return None if self.exact_match else self.matching_prefix
+
+    @property
+    def mean_kl(self) -> float:
+        return statistics.fmean(self.kls) if self.kls else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
+            "mean_kl": self.mean_kl, "max_kl": max(self.kls, default=0.0),
+            "top1_agreement": self.top1_hits / len(self.kls) if self.kls else 1.0,
+            "matching_prefix": self.matching_prefix, "exact_match": self.exact_match,
+            "first_divergence": self.first_divergence,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    reference: str
+    candidate: str
+    engines: tuple[str, str]
+    model: str | None
+    max_tokens: int
+    top_k: int
+    thresholds: ProbeThresholds
+    details: tuple[PromptProbe, ...]
+    positions: int
+    mean_kl: float
+    p95_kl: float
+    max_kl: float
+    # The candidate's teacher-forced argmax against the reference's, at the same positions by
+    # the same code path, ties counting as agreement. Against the reference's greedy tokens
+    # instead, the reference's own prefill-vs-decode differences would count as drift.
+    top1_agreement: float
+    # The reference's greedy tokens against its own teacher-forced argmax: the noise floor
+    # of the greedy comparison (below 1 with batch-variant or prefill/decode differences).
+    reference_top1: float
+    exact_match_rate: float
+    mean_matching_prefix: float
+    median_first_divergence: float | None  # over prompts that diverged
+    mean_first_divergence: float | None
+    failures: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def verdict_line(self) -> str:
+        head = "PASS" if self.passed else "FAIL"
+        stats = (
+            f"mean KL {self.mean_kl:.2e} nats, top-1 {self.top1_agreement:.2%}, "
+            f"exact match {self.exact_match_rate:.0%} ({len(self.details)} prompts, "
+            f"{self.positions} positions)"
+        )
+        return f"{head}: {stats}" + ("" if self.passed else f" — {'; '.join(self.failures)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in asdict(self).items() if k != "details"}
+        data["passed"] = self.passed
+        data["details"] = [d.summary() for d in self.details]
+        return data
+
+
+# --- the estimator and the per-prompt comparison -------------------------------------------
+
+
+def topk_kl(ref: Position, cand: Position) -> float:
+    """KL(ref ‖ cand) over shared cells plus one rest cell (see the module docstring)."""
+    if ref.token != cand.token:
+        raise ValueError("positions scored different tokens")
+    known = {ref.token: (ref.logprob, cand.logprob)}
+    for t in ref.top.keys() & cand.top.keys():
+        known[t] = (ref.top[t], cand.top[t])
+    kl = 0.0
+    p_rest = q_rest = 1.0
+    for lp, lq in known.values():
+        p = math.exp(lp)
+        p_rest -= p
+        q_rest -= math.exp(lq)
+        kl += p * (lp - lq)
+    if p_rest > _MASS_FLOOR:
+        kl += p_rest * (math.log(p_rest) - math.log(max(q_rest, _MASS_FLOOR)))
+    # Rounding in the servers' float32 log-softmax can push a true 0 a hair below.
+    return max(kl, 0.0)
+
+
+def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _is_argmax(pos: Position, token: int) -> bool:
+    """Whether `token` has the highest log-probability at `pos`, ties included: bf16
+    logits tie often enough that which of the tied tokens a sampler or a ranking
+    names first is noise, not drift."""
+    lp = pos.logprob if token == pos.token else pos.top.get(token)
+    return lp is not None and lp >= max(pos.top.values(), default=lp)
+
+
+def compare_prompt(
+    index: int,
+    prompt_tokens: int,
+    ref_out: Sequence[int],
+    cand_out: Sequence[int],
+    ref_pos: Sequence[Position],
+    cand_pos: Sequence[Position],
+) -> PromptProbe:
+    pairs = list(zip(ref_pos, cand_pos, strict=True))
+    return PromptProbe(
+        index=index,
+        prompt_tokens=prompt_tokens,
+        tokens=len(ref_out),
+        kls=tuple(topk_kl(r, c) for r, c in pairs),
+        top1_hits=sum(_is_argmax(r, c.top1) for r, c in pairs),
+        reference_top1_hits=sum(_is_argmax(r, r.token) for r, _ in pairs),
+        matching_prefix=matching_prefix(ref_out, cand_out),
+        exact_match=list(ref_out) == list(cand_out),
+    )
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+async def _probe_one(index: int, messages: Sequence[Message], ref: ScoringServer,
+                     cand: ScoringServer, max_tokens: int, top_k: int) -> PromptProbe:
+    prompt = await ref.render(messages)
+    ref_out = await ref.greedy(prompt, max_tokens)
+    async with asyncio.TaskGroup() as tg:
+        ref_pos = tg.create_task(ref.score(prompt, ref_out, top_k))
+        cand_pos = tg.create_task(cand.score(prompt, ref_out, top_k))
+        cand_out = tg.create_task(cand.greedy(prompt, max_tokens))
+    return compare_prompt(index, len(prompt), ref_out, cand_out.result(), ref_pos.result(),
+                          cand_pos.result())
+
+
+async def run_probe(
+    reference: str,
+    candidate: str,
+    prompts: Sequence[Sequence[Message]],
+    *,
+    n: int,
+    max_tokens: int,
+    top_k: int,
+    model: str | None,
+    thresholds: ProbeThresholds,
+    api_key: str | None = None,
+    concurrency: int = 8,
+    timeout_s: float = 600.0,
+) -> ProbeResult:
+    """Probe the first `n` prompts; raises ProbeError when a server cannot be used."""
+    if n < 1 or max_tokens < 1 or top_k < 1 or concurrency < 1:
+        raise ValueError("n, max_tokens, top_k and concurrency must be at least 1")
+    if not prompts:
+        raise ValueError("no prompts to probe")
+    chosen = prompts[:n]
+    results: list[PromptProbe | None] = [None] * len(chosen)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        http = Http(session, api_key)
+        ref = await connect(http, reference, model)
+        cand = await connect(http, candidate, model)
+        todo = iter(enumerate(chosen))
+
+        async def worker() -> None:
+            for i, messages in todo:
+                results[i] = await _probe_one(i, messages, ref, cand, max_tokens, top_k)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(min(concurrency, len(chosen))):
+                    tg.create_task(worker())
+        except ExceptionGroup as group:
+            # One failed request stops the probe; its own error says more than the group.
+            raise _first_leaf(group) from None
+    done = tuple(r for r in results if r is not None)
+    return summarise(reference, candidate, (ref.kind, cand.kind), ref.model, max_tokens,
+                     top_k, thresholds, done)
+
+
+def _first_leaf(group: ExceptionGroup[Exception]) -> Exception:
+    e: Exception = group
+    while isinstance(e, ExceptionGroup):
+        e = e.exceptions[0]
+    return e
+
+
+def summarise(
+    reference: str,
+    candidate: str,
+    engines: tuple[str, str],
+    model: str | None,
+    max_tokens: int,
+    top_k: int,
+    thresholds: ProbeThresholds,
+    details: tuple[PromptProbe, ...],
+) -> ProbeResult:
+    """Pool positions over prompts (a long continuation weighs more) and judge."""
+    kls = sorted(k for d in details for k in d.kls)
+    positions = len(kls)
+    diverged = [d.matching_prefix for d in details if not d.exact_match]
+    mean_kl = statistics.fmean(kls) if kls else 0.0
+    top1 = sum(d.top1_hits for d in details) / positions if positions else 1.0
+    exact = sum(d.exact_match for d in details) / len(details) if details else 1.0
+    failures = []
+    if mean_kl > thresholds.max_mean_kl:
+        failures.append(f"mean KL {mean_kl:.2e} > {thresholds.max_mean_kl:g}")
+    if top1 < thresholds.min_top1:
+        failures.append(f"top-1 agreement {top1:.2%} < {thresholds.min_top1:.2%}")
+    if thresholds.min_exact_match is not None and exact < thresholds.min_exact_match:
+        failures.append(f"exact match {exact:.0%} < {thresholds.min_exact_match:.0%}")
+    if not positions:
+        failures.append("no positions were scored (every reference continuation was empty)")
+    return ProbeResult(
+        reference=reference,
+        candidate=candidate,
+        engines=engines,
+        model=model,
+        max_tokens=max_tokens,
+        top_k=top_k,
+        thresholds=thresholds,
+        details=details,
+        positions=positions,
+        mean_kl=mean_kl,
+        p95_kl=kls[min(positions - 1, math.ceil(0.95 * positions) - 1)] if kls else 0.0,
+        max_kl=kls[-1] if kls else 0.0,
+        top1_agreement=top1,
+        reference_top1=(
+            sum(d.reference_top1_hits for d in details) / positions if positions else 1.0
+        ),
+        exact_match_rate=exact,
+        mean_matching_prefix=(
+            statistics.fmean(d.matching_prefix for d in details) if details else 0.0
+        ),
+        median_first_divergence=statistics.median(diverged) if diverged else None,
+        mean_first_divergence=statistics.fmean(diverged) if diverged else None,
+        failures=tuple(failures),
+    )
+
+
+def format_report(result: ProbeResult) -> str:
+    """A plain table of the numbers, then the verdict line."""
+    t = result.thresholds
+
+    def opt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = [
+        ("reference", f"{result.reference} ({result.engines[0]})", ""),
+        ("candidate", f"{result.candidate} ({result.engines[1]})", ""),
+        ("prompts / positions", f"{len(result.details)} / {result.positions}",
+         f"max_tokens {result.max_tokens}, top-k {result.top_k}"),
+        ("mean top-k KL (nats)", f"{result.mean_kl:.3e}", f"<= {t.max_mean_kl:g}"),
+        ("p95 / max KL", f"{result.p95_kl:.3e} / {result.max_kl:.3e}", ""),
+        ("top-1 agreement", f"{result.top1_agreement:.2%}", f">= {t.min_top1:.2%}"),
+        ("reference argmax = its greedy", f"{result.reference_top1:.2%}", "noise floor"),
+        ("exact-match rate", f"{result.exact_match_rate:.1%}",
+         "" if t.min_exact_match is None else f">= {t.min_exact_match:.0%}"),
+        ("mean matching prefix", f"{result.mean_matching_prefix:.1f} tokens", ""),
+        ("first divergence mean / median",
+         f"{opt(result.mean_first_divergence, '.1f')} / "
+         f"{opt(result.median_first_divergence, '.1f')}", "over diverging prompts"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    lines = [f"{name:<{width}}  {value:<{vwidth}}  {note}".rstrip() for name, value, note in rows]
+    return "\n".join([*lines, result.verdict_line()])
+
+
+# --- prompts and the command -----------------------------------------------------------------
+
+
+def load_prompts(path: Path | None, set_aside: list[str] | None = None) -> list[list[Message]]:
+    """Chat prompts from a JSONL file of rows with `messages` (OpenAI), `conversations`
+    (ShareGPT) or one `prompt`/`instruction`/`question` field; None: the demo prompts, taken in
+    turn from each category file so a small n still covers every kind (a built-in list
+    outside a source checkout). Unusable rows are skipped, each with `file:line: reason`
+    appended to `set_aside`, as `plan` does; a file with no usable row is a JobError."""
+    if path is not None:
+        return _read_messages(path, set_aside)
+    files = sorted(DEMO_PROMPTS_DIR.glob("*.jsonl"))
+    if not files:
+        return [[{"role": "user", "content": text}] for text in BUILTIN_PROMPTS]
+    columns = [_read_messages(f, set_aside) for f in files]
+    return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]
+
+
+def _read_messages(path: Path, set_aside: list[str] | None) -> list[list[Message]]:
+    # Each row's layout is recognised by its key, so the demo's mixed files read as they are.
+    layouts = {name: Source(path=str(path), layout=name)
+               for name in ("messages", "conversations", "prompt")}
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise JobError(f"{path}: cannot read prompts: {e.strerror}") from None
+    prompts = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row: object = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            row = ValueError(e.msg)
+        try:
+            layout = next((k for k in ("messages", "conversations")
+                           if isinstance(row, dict) and k in row), "prompt")
+            messages, _ = shape(normalise_row(row, layouts[layout]), "last", None)
+        except RowRejection as e:
+            if set_aside is not None:
+                set_aside.append(f"{path}:{lineno}: {e}")
+            continue
+        prompts.append(list(messages))
+    if not prompts:
+        raise JobError(f"{path}: no usable prompt rows")
+    return prompts
+
+
+def probe_command(
+    reference: str,
+    candidate: str,
+    prompts_file: Path | None,
+    n: int,
+    max_tokens: int,
+    top_k: int,
+    json_out: Path | None,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    thresholds: ProbeThresholds | None = None,
+) -> int:
+    """Run the probe and print the table: 0 pass, 1 fail, 2 no verdict (a usage error, or
+    a server that could not be probed; the reason goes to stderr)."""
+    if n < 1 or max_tokens < 1 or top_k < 1:
+        print("probe: -n, --max-tokens and --top-k must be at least 1", file=sys.stderr)
+        return 2
+    set_aside: list[str] = []
+    try:
+        prompts = load_prompts(prompts_file, set_aside)
+        # The demo files keep a few broken rows on purpose; only a user's file is reported.
+        if set_aside and prompts_file is not None:
+            print(f"probe: {len(set_aside)} unusable prompt rows set aside, first: "
+                  f"{set_aside[0]}", file=sys.stderr)
+        result = asyncio.run(run_probe(
+            reference, candidate, prompts, n=n, max_tokens=max_tokens, top_k=top_k,
+            model=model, thresholds=thresholds or ProbeThresholds(), api_key=api_key,
+        ))
+        print(format_report(result))
+        if json_out is not None:
+            write_atomic(json_out, orjson.dumps(result.to_dict(), option=orjson.OPT_INDENT_2))
+    except DraftgenError as e:
+        print(f"probe: {e}", file=sys.stderr)
+        return 2
+    return 0 if result.passed else 1

@@ -1,0 +1,231 @@
+"""Token-exact export: the tiny model's own tokenizer and template, checked against the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from draftgen.engine import LocalEngine
+from draftgen.errors import JobError
+from draftgen.export import ExportOptions, export_run
+from draftgen.export.base import ExportContext
+from draftgen.export.tokens import TokensFormat, server_token_ids
+from draftgen.sample import Message, Record, Sample, Turn
+from draftgen.status import read_status
+from draftgen.store import RunStore
+from draftgen.store.writer import OutcomeWriter
+
+DEMO_JOB = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job.yaml"
+END = "<|im_end|>"
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs: list[list[int]] = []
+    prev = 0
+    for i, m in zip(ids, mask, strict=True):
+        if m and not prev:
+            runs.append([])
+        if m:
+            runs[-1].append(i)
+        prev = m
+    return runs
+
+
+def engine_tokenize(engine: LocalEngine, messages: list[dict[str, Any]]) -> list[int]:
+    body = orjson.dumps({"model": engine.served_name, "messages": messages,
+                         "add_generation_prompt": False})
+    req = urllib.request.Request(f"{engine.url}/tokenize", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        tokens: list[int] = orjson.loads(r.read())["tokens"]
+    return tokens
+
+
+def test_every_demo_sample_round_trips_through_the_engines_tokenizer(
+    local_engine: LocalEngine, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "demo"
+    ran = subprocess.run([sys.executable, "-m", "draftgen", "run", str(DEMO_JOB),
+                          "--server", local_engine.url, "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr
+    everything = ExportOptions("tokens", tokenizer=str(tiny_model_dir), include_truncated=True,
+                               include_flagged=True)
+    s = export_run(out, tmp_path / "tokens.jsonl", everything)
+    st = read_status(out)
+    assert st.done > 150 and s.exported + s.empty == st.done
+    export_run(out, tmp_path / "sf.jsonl", ExportOptions(include_truncated=True,
+                                                         include_flagged=True))
+    convs = {r["id"]: r["conversations"]
+             for r in map(orjson.loads, (tmp_path / "sf.jsonl").read_bytes().splitlines())}
+    rows = [orjson.loads(x) for x in (tmp_path / "tokens.jsonl").read_bytes().splitlines()]
+    assert len(rows) == s.exported == len(convs)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    for row in rows:
+        conv = convs[row["id"]]
+        ids, mask, meta = row["input_ids"], row["loss_mask"], row["metadata"]
+        # The engine renders and tokenizes the same conversation to the same ids.
+        assert engine_tokenize(local_engine, conv) == ids, row["id"]
+        assert tok.decode(ids, skip_special_tokens=False) == row["text"]
+        # Everything before the answer is the prompt exactly as the engine counted it.
+        assert mask.index(1) == meta["usage"]["prompt_tokens"], row["id"]
+        # The masked tokens are the answer, plus the end token when the model emitted it.
+        (answer,) = masked_runs(ids, mask)
+        stopped = meta["finish_reason"] == "stop"
+        expected = conv[-1]["content"] + (END if stopped else "")
+        assert tok.decode(answer, skip_special_tokens=False) == expected, row["id"]
+        assert row["id"].startswith(meta["category"] + "-")
+        assert meta["token_source"] == "chat_template"
+
+
+# --- without the engine: the tokenizer and template alone ------------------------------
+
+def sample(i: int) -> Sample:
+    return Sample(id=f"c-{i}", category="c", partition="short",
+                  messages=({"role": "user", "content": "q"},), max_tokens=8, fingerprint="fp")
+
+
+def make_run(out: Path, records: list[Record], manifest: dict[str, Any]) -> None:
+    async def go() -> None:
+        async with OutcomeWriter(out) as w:
+            for r in records:
+                await w.put(r)
+
+    with RunStore.open(out) as store:
+        store.write_plan([sample(i) for i in range(len(records))], [])
+        store.write_manifest(manifest)
+    asyncio.run(go())
+
+
+def rec(i: int, messages: list[Message], turns: list[tuple[str, str]],
+        followups: tuple[str, ...] = ()) -> Record:
+    return Record(f"c-{i}", "fp", "c", "short", tuple(messages), followups,
+                  tuple(Turn(c, None, f, 10, 5, 0.1, 1.0) for c, f in turns), "http://x", 1, 1.0)
+
+
+def export_rows(out: Path, opts: ExportOptions) -> list[dict[str, Any]]:
+    to = out / "tokens.jsonl"
+    export_run(out, to, opts)
+    return [orjson.loads(x) for x in to.read_bytes().splitlines()]
+
+
+def decoded_runs(tiny_model_dir: Path, row: dict[str, Any]) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    return [str(tok.decode(r, skip_special_tokens=False))
+            for r in masked_runs(row["input_ids"], row["loss_mask"])]
+
+
+def test_only_generated_turns_are_masked_and_a_cut_turn_has_no_end_token(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    source_turn = [{"role": "system", "content": "Be brief."},
+                   {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "an old answer from the dataset"},
+                   {"role": "user", "content": "and now?"}]
+    records = [
+        rec(0, source_turn, [("a new answer", "stop")]),
+        # multi_turn: all — two generated turns, the second cut by max_tokens.
+        rec(1, [{"role": "user", "content": "first"}], [("one", "stop"), ("two, cut", "length")],
+            followups=("second",)),
+    ]
+    make_run(tmp_path, records, {"job": {"model": "tiny"}})
+    rows = export_rows(tmp_path, ExportOptions("tokens", tokenizer=str(tiny_model_dir),
+                                               include_truncated=True))
+    assert decoded_runs(tiny_model_dir, rows[0]) == ["a new answer" + END]
+    assert decoded_runs(tiny_model_dir, rows[1]) == ["one" + END, "two, cut"]
+    assert rows[1]["metadata"]["finish_reason"] == "length"
+    assert rows[1]["metadata"]["usage"] == {"prompt_tokens": 10, "completion_tokens": 10}
+
+
+def thinking_tokenizer(tiny_model_dir: Path, dest: Path) -> Path:
+    """The tiny tokenizer with a template like Qwen3's: a `thinking` switch, and earlier
+    turns' reasoning dropped (so rendering is not incremental)."""
+    dest.mkdir()
+    for name in ("tokenizer.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(tiny_model_dir / name, dest / name)
+    cfg = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{%- if thinking %}{{- '<|im_start|>system\\nthink mode<|im_end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- set content = message['content'] %}"
+        "{%- if message['role'] == 'assistant' and not loop.last and '</think>' in content %}"
+        "{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+def test_template_kwargs_reach_the_template_and_rewritten_turns_are_still_found(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tok_dir = thinking_tokenizer(tiny_model_dir, tmp_path / "tok")
+    out = tmp_path / "run"
+    records = [Record("c-0", "fp", "c", "short", ({"role": "user", "content": "first"},),
+                      ("second",),
+                      (Turn("one", "r1", "stop", 10, 5, 0.1, 1.0),
+                       Turn("two", "r2", "stop", 20, 5, 0.1, 1.0)), "http://x", 1, 1.0)]
+    make_run(out, records, {"job": {"model": "tiny", "sampling": {
+        "extra_body": {"chat_template_kwargs": {"thinking": True}}}}})
+    (row,) = export_rows(out, ExportOptions("tokens", tokenizer=str(tok_dir)))
+    assert row["text"].startswith("<|im_start|>system\nthink mode")
+    assert row["metadata"]["chat_template_kwargs"] == {"thinking": True}
+    # The first turn's reasoning is not in the training text (the template drops it), so
+    # its mask covers what remains; the last turn keeps its inline reasoning.
+    assert decoded_runs(tiny_model_dir, row) == ["one" + END, "<think>r2</think>two" + END]
+
+
+def test_a_tokenizer_named_by_the_job_is_found_relative_to_the_job_file(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    job_dir = tmp_path / "jobs"
+    shutil.copytree(tiny_model_dir, job_dir / "model")
+    make_run(tmp_path / "run", [rec(0, [{"role": "user", "content": "q"}], [("a", "stop")])],
+             {"job_file": str(job_dir / "job.yaml"),
+              "job": {"model": "tiny", "tokenizer": "model/tokenizer.json"}})
+    (row,) = export_rows(tmp_path / "run", ExportOptions("tokens"))
+    assert decoded_runs(tiny_model_dir, row) == ["a" + END]
+
+
+def test_without_a_tokenizer_the_export_says_how_to_give_one(tmp_path: Path) -> None:
+    make_run(tmp_path, [rec(0, [{"role": "user", "content": "q"}], [("a", "stop")])],
+             {"job": {"model": "tiny"}})
+    with pytest.raises(JobError, match="--tokenizer"):
+        export_run(tmp_path, tmp_path / "t.jsonl", ExportOptions("tokens"))
+    with pytest.raises(JobError, match="cannot be loaded"):
+        export_run(tmp_path, tmp_path / "t.jsonl",
+                   ExportOptions("tokens", tokenizer=str(tmp_path / "nothing-here")))
+
+
+def test_server_token_ids_are_used_as_they_are_when_a_record_has_them(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    fmt = TokensFormat()
+    opts = ExportOptions("tokens", tokenizer=str(tiny_model_dir))
+    fmt.prepare(ExportContext(tmp_path, {}), opts)
+    turn = {"content": "hi", "reasoning": None, "finish_reason": "stop", "prompt_tokens": 3,
+            "completion_tokens": 2, "prompt_token_ids": [1, 50, 201], "token_ids": [60, 2]}
+    record = {"id": "c-0", "category": "c", "partition": "short", "server": "http://x",
+              "messages": [{"role": "user", "content": "q"}], "followups": [],
+              "turns": [turn]}
+    row = fmt.row(record, opts)
+    assert (row["input_ids"], row["loss_mask"]) == ([1, 50, 201, 60, 2], [0, 0, 0, 1, 1])
+    assert row["metadata"]["token_source"] == "server"
+    assert server_token_ids({**record, "turns": [turn, turn]}) is None  # multi-turn: render
+    assert server_token_ids({**record, "turns": [{"content": "x"}]}) is None
