@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftgen.errors import DiskError, DraftgenError, JobChangedError, JobError, StoreError
+from draftgen.errors import DiskError, DraftgenError, JobError, StoreError
 from draftgen.job import JobSpec, load_job
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -78,22 +78,55 @@ def run(
     retry_failed: Annotated[bool, typer.Option(help="re-send samples recorded as failed")] = False,
     redo_changed: Annotated[bool, typer.Option(
         help="regenerate samples whose request changed since they were recorded")] = False,
+    rerun_truncated: Annotated[bool, typer.Option(
+        help="re-run truncated samples of partitions with `truncation: escalate`")] = False,
     progress: Annotated[bool | None, typer.Option(
         help="live view (default: only on a terminal)")] = None,
     grace: Annotated[float, typer.Option(help="seconds in-flight requests get after a stop")] = 30,
+    detach: Annotated[bool, typer.Option(
+        help="run in the background; log and pid under the output directory")] = False,
 ) -> None:
     """Generate every pending sample of the job; safe to run again to resume."""
     from draftgen.runner import RunOptions, run_job
 
     job = _load(job_file)
     out_dir = out or job.resolve(job.output)
+    if detach:
+        from draftgen.detach import LOG, start_detached
+
+        args = [str(job_file.resolve()), "--grace", str(grace),
+                *(f for url in server or () for f in ("--server", url)),
+                *(flag for on, flag in ((retry_failed, "--retry-failed"),
+                                        (redo_changed, "--redo-changed"),
+                                        (rerun_truncated, "--rerun-truncated")) if on)]
+        pid = start_detached(args, out_dir.resolve())
+        print(f"started in the background: pid {pid}, log {out_dir / LOG}\n"
+              f"  draftgen status {out_dir}    draftgen stop {out_dir}")
+        return
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
-                      redo_changed=redo_changed, progress=progress, grace_s=grace)
+                      redo_changed=redo_changed, rerun_truncated=rerun_truncated,
+                      progress=progress, grace_s=grace)
     try:
         summary = asyncio.run(run_job(job, opts))
-    except (JobError, JobChangedError, StoreError) as e:
+    except DraftgenError as e:
         raise _fail(e) from None
     print(summary.line(), flush=True)
+    if summary.exit_code:
+        raise typer.Exit(summary.exit_code)
+
+
+@app.command()
+def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
+         timeout: Annotated[float, typer.Option(help="seconds to wait for it to stop")] = 120,
+         ) -> None:
+    """Stop a run (detached or not) gracefully: in-flight requests finish first."""
+    from draftgen.detach import stop_run
+
+    try:
+        stopped = stop_run(out_dir, timeout_s=timeout)
+    except DraftgenError as e:
+        raise _fail(e) from None
+    print(f"{out_dir}: {'stopped' if stopped else 'no run is using it'}")
 
 
 @app.command()
@@ -109,39 +142,105 @@ def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     if as_json:
         _json(st.as_json())
         return
-    t = Table(title=f"{out_dir} — {'running' if st.running else 'not running'}")
-    for c in ("category", "total", "done", "failed", "truncated", "pending", "output tokens"):
+    alive = f"running (pid {st.pid})" if st.running else "not running"
+    t = Table(title=f"{out_dir} — {alive}")
+    for c in ("category", "total", "done", "failed", "truncated", "flagged", "pending",
+              "output tokens"):
         t.add_column(c, justify="left" if c == "category" else "right")
     rows: list[tuple[str, CategoryStatus | RunStatus]] = [*st.categories.items(), ("total", st)]
     for name, row in rows:
         t.add_row(name, f"{row.total:,}", f"{row.done:,}", f"{row.failed:,}",
-                  f"{row.truncated:,}", f"{row.pending:,}", f"{row.output_tokens:,}")
+                  f"{row.truncated:,}", f"{row.flagged:,}", f"{row.pending:,}",
+                  f"{row.output_tokens:,}")
     _out.print(t)
     if st.failures:
         _out.print("failures: " + ", ".join(f"{k} {v}" for k, v in st.failures.items()))
+    if st.flags:
+        _out.print("flags: " + ", ".join(f"{k} {v}" for k, v in st.flags.items()))
     _out.print(f"rejected source rows: {st.rejected}")
+    for line in st.live_lines():
+        _out.print(line)
 
 
 @app.command()
 def export(
     out_dir: Annotated[Path, typer.Argument(help="run directory")],
     to: Annotated[Path, typer.Option(help="file to write")],
-    format: Annotated[str, typer.Option(help="specforge, sharegpt or parquet")] = "specforge",
+    format: Annotated[str, typer.Option(
+        help="specforge, sharegpt, parquet or tokens (input_ids + loss_mask)")] = "specforge",
     reasoning: Annotated[str, typer.Option(
         help="inline (<think>…</think> before the answer), field (reasoning_content) or drop")
     ] = "inline",
     include_truncated: Annotated[bool, typer.Option(help="also export truncated samples")] = False,
+    include_flagged: Annotated[bool, typer.Option(
+        help="also export samples the output checks flagged")] = False,
+    tokenizer: Annotated[str | None, typer.Option(
+        help="tokenizer for --format tokens (default: the job's)")] = None,
 ) -> None:
-    """Write completed samples as training data; failed and truncated are left out."""
+    """Write completed samples as training data; failed, truncated and flagged are left out."""
     from draftgen.export import ExportOptions, export_run
 
     if reasoning not in ("inline", "field", "drop"):
         raise _fail(JobError(f"--reasoning: {reasoning!r} is not inline, field or drop"))
     try:
-        s = export_run(out_dir, to, ExportOptions(format, reasoning, include_truncated))  # type: ignore[arg-type]
+        opts = ExportOptions(format, reasoning, include_truncated,  # type: ignore[arg-type]
+                             include_flagged=include_flagged, tokenizer=tokenizer)
+        s = export_run(out_dir, to, opts)
     except DraftgenError as e:
         raise _fail(e) from None
     print(s.line())
+
+
+@app.command()
+def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
+           max_length: Annotated[int, typer.Option(
+               help="training max_length to warn about (SpecForge's default: 2048)")] = 2048,
+           plots: Annotated[bool, typer.Option(help="also draw PNG plots")] = False) -> None:
+    """Write the dataset card (OUT/DATASET_CARD.md) and, with --plots, PNG plots."""
+    from draftgen.card import write_card
+
+    try:
+        print(write_card(out_dir, max_length=max_length))
+        if plots:
+            from draftgen.plots import draw_plots
+
+            for p in draw_plots(out_dir, out_dir / "plots"):
+                print(p)
+    except DraftgenError as e:
+        raise _fail(e) from None
+
+
+@app.command()
+def serve(
+    profile: Annotated[Path | None, typer.Argument(help="server profile YAML")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the argv only")] = False,
+    stop: Annotated[bool, typer.Option("--stop", help="stop the profile's server")] = False,
+    restart: Annotated[bool, typer.Option(
+        "--restart", help="stop, start, verify, show what changed")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the server")] = 1800.0,
+) -> None:
+    """Launch a server from a profile, wait for a real generation, verify it, summarise."""
+    from draftgen.servers import serve as serve_profile
+
+    raise typer.Exit(serve_profile(profile, dry_run, stop, restart, timeout))
+
+
+@app.command()
+def probe(
+    reference: Annotated[str, typer.Option(help="reference server URL (e.g. bf16 KV)")],
+    candidate: Annotated[str, typer.Option(help="candidate server URL (e.g. fp8 KV)")],
+    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts (default: demo)")] = None,
+    n: Annotated[int, typer.Option("-n", help="prompts to probe")] = 200,
+    max_tokens: Annotated[int, typer.Option(help="greedy tokens per prompt")] = 64,
+    top_k: Annotated[int, typer.Option(help="top-k log-probabilities compared")] = 10,
+    model: Annotated[str | None, typer.Option(help="served model name")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """Measure how far a candidate server drifts from a reference on the same model."""
+    from draftgen.quality.probe import probe_command
+
+    raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
+                                   json_out, model=model))
 
 
 @engine_app.command("build-model")

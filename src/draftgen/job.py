@@ -50,6 +50,10 @@ class Partition(_Strict):
     # With `partition: auto`, a prompt goes to the partition with the largest
     # min_prompt_tokens that it reaches.
     min_prompt_tokens: int = Field(default=0, ge=0)
+    # What becomes of answers cut at max_tokens: drop (left out of exports), keep (exported,
+    # tagged), escalate (`run --rerun-truncated` sends them again in `escalate_to`).
+    truncation: Literal["drop", "keep", "escalate"] = "drop"
+    escalate_to: str | None = None
 
 
 Layout = Literal["messages", "conversations", "prompt"]
@@ -88,14 +92,28 @@ class Category(_Strict):
 
 
 class Server(_Strict):
-    url: str
+    """A running server (`url`), or a server profile to launch for the run (`launch`)."""
+
+    url: str | None = None
+    # The profile an already running `url` was started from: its quality override applies.
+    profile: str | None = None
+    # Started before the run (under OUT/servers, on a free port) and stopped after it.
+    launch: str | None = None
 
     @field_validator("url")
     @classmethod
-    def _http(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
+    def _http(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
-        return v.rstrip("/")
+        return v.rstrip("/") if v else v
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Server:
+        if (self.url is None) == (self.launch is None):
+            raise ValueError("give exactly one of 'url' or 'launch'")
+        if self.profile is not None and self.launch is not None:
+            raise ValueError("'profile' goes with 'url'; 'launch' already names the profile")
+        return self
 
 
 class Retry(_Strict):
@@ -158,6 +176,15 @@ class JobSpec(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"duplicate category names: {sorted(dup)}")
+        for name, p in self.partitions.items():
+            if (p.truncation == "escalate") != (p.escalate_to is not None):
+                raise ValueError(f"partitions.{name}: 'truncation: escalate' and 'escalate_to' "
+                                 "go together")
+            target = self.partitions.get(p.escalate_to or "")
+            if p.escalate_to is not None and (target is None or
+                                              target.max_tokens <= p.max_tokens):
+                raise ValueError(f"partitions.{name}.escalate_to: {p.escalate_to!r} must be "
+                                 "another partition with a larger max_tokens")
         for i, c in enumerate(self.categories):
             if c.partition != "auto" and c.partition not in self.partitions:
                 raise ValueError(

@@ -16,7 +16,8 @@ import random
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,26 @@ from draftgen.monitor import EventLog, RunMonitor
 from draftgen.plan import Plan, build_plan
 from draftgen.progress import ProgressView
 from draftgen.retry import Backoff, with_retries
-from draftgen.sample import Failure, Record, Rejected, Sample, Turn, base_body, request_body
+from draftgen.sample import (
+    Failure,
+    Record,
+    Rejected,
+    Sample,
+    Turn,
+    base_body,
+    body_digest,
+    content_digest,
+    fingerprint,
+    request_body,
+)
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import PartitionView, Scheduler
 from draftgen.schedule.static import StaticScheduler
 from draftgen.serverpool import ServerPool, ServerState
+from draftgen.servers.attach import AttachedServers
+from draftgen.servers.policy import QualityPolicyError
 from draftgen.stats import RunStats, Snapshot
-from draftgen.store import RunStore
+from draftgen.store import LedgerEntry, RunStore
 from draftgen.store.writer import OutcomeWriter
 
 
@@ -46,6 +60,7 @@ class RunOptions:
     servers: Sequence[str] = ()
     retry_failed: bool = False
     redo_changed: bool = False
+    rerun_truncated: bool = False
     progress: bool | None = None  # None: live view only on a terminal
     grace_s: float = 30.0
 
@@ -131,10 +146,10 @@ class Runner:
         self._backoff = Backoff(retry.backoff_base_s, retry.backoff_max_s, retry.max_attempts)
         self._rng = random.Random()
         self._state = _RunState()
-        self._urls = [u.rstrip("/") for u in (list(opts.servers) or
-                                               [s.url for s in job.servers])]
+        self._urls: list[str] = []
         self._queues: dict[str, _Queue] = {}
         self._wake = asyncio.Event()
+        self._background: set[asyncio.Task[None]] = set()
         self.pool: ServerPool | None = None
         self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
                                      else StaticScheduler())
@@ -142,30 +157,39 @@ class Runner:
     async def run(self) -> RunSummary:
         plan = build_plan(self.job)
         with RunStore.open(self.opts.out_dir) as store:
+            plan = escalate(plan, self.job, store.entries, rerun=self.opts.rerun_truncated)
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
                                  redo_changed=self.opts.redo_changed)
-            if todo and not self._urls:
-                raise JobError("servers: no server to send to; list servers in the job "
-                               "or pass --server URL")
             started = time.time()
-            async with ChatClient(api_key=read_api_key(self.job) if todo else None,
-                                  idle_timeout_s=self.job.client.idle_timeout_s,
-                                  connect_timeout_s=self.job.client.connect_timeout_s,
-                                  clock=self.clock) as client:
-                if todo:
-                    context = await self._context_tokens(client)
-                    if context is not None:
-                        plan, todo = _set_aside_too_long(plan, todo, context)
-                store.write_plan(plan.samples, plan.rejected)
-                self._count_plan(plan, store, {s.id for s in todo})
-                manifest = self._manifest_start(store, plan)
-                events = EventLog(self.opts.out_dir)
-                self.scheduler._log = events.add
-                try:
+            self._servers = AttachedServers(self.job, list(self.opts.servers),
+                                            self.opts.out_dir / "servers")
+            events = EventLog(self.opts.out_dir)
+            self.scheduler._log = events.add
+            try:
+                async with AsyncExitStack() as stack:
+                    if todo:
+                        await stack.enter_async_context(self._servers)
+                        self._urls = self._servers.urls
+                        if not self._urls:
+                            raise JobError("servers: no server to send to; list servers in "
+                                           "the job or pass --server URL")
+                        for url in self._urls:
+                            await self._servers.verify(url)
+                    client = await stack.enter_async_context(ChatClient(
+                        api_key=read_api_key(self.job) if todo else None,
+                        idle_timeout_s=self.job.client.idle_timeout_s,
+                        connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
+                    if todo:
+                        context = await self._context_tokens(client)
+                        if context is not None:
+                            plan, todo = _set_aside_too_long(plan, todo, context)
+                    store.write_plan(plan.samples, plan.rejected)
+                    self._count_plan(plan, store, {s.id for s in todo})
+                    manifest = self._manifest_start(store, plan)
                     if todo:
                         await self._run(todo, client, events)
-                finally:
-                    events.close()
+            finally:
+                events.close()
             snap = self.stats.snapshot()
             summary = RunSummary(
                 self.opts.out_dir, snap.total("planned"), snap.total("done"),
@@ -179,6 +203,7 @@ class Runner:
                 truncated=summary.truncated, pending=summary.pending,
                 stopped=summary.stopped, retries=snap.retries,
                 scheduler=self.scheduler.name, events=events.messages[-200:],
+                servers=self._servers.records,
             )
             store.write_manifest(manifest)
         return summary
@@ -226,7 +251,7 @@ class Runner:
         }
         manifest["runs"].append({
             "started_at": time.time(),
-            "servers": self._urls,
+            "servers": self._servers.records,
             "repair": {k: getattr(store.repair, k) for k in store.repair.__slots__},
         })
         store.write_manifest(manifest)
@@ -239,7 +264,7 @@ class Runner:
             self._urls, clock=self.clock, probe=lambda url: self._probe(client, url),
             hang_timeout_s=self.job.client.hang_timeout_s,
             probe_timeout_s=self.job.client.probe_timeout_s, on_hang=self._cancel_for_requeue,
-            on_up=lambda _s: self._wake.set(), log=events.add,
+            on_up=lambda s: self._on_server_up(s, events), log=events.add,
         )
         monitor = RunMonitor(
             self.opts.out_dir, pool=pool, scheduler=self.scheduler, stats=self.stats,
@@ -272,6 +297,25 @@ class Runner:
             await pool.close()
             for sig in signals:
                 loop.remove_signal_handler(sig)
+
+    def _on_server_up(self, server: ServerState, events: EventLog) -> None:
+        self._wake.set()
+        task = asyncio.create_task(self._reverify(server.url, events))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _reverify(self, url: str, events: EventLog) -> None:
+        """A server back from an outage may have been restarted with other settings."""
+        try:
+            record = await self._servers.verify(url)
+        except QualityPolicyError as e:
+            events.add(f"{url} refused after its restart: {e}")
+            self._stop(f"quality policy: {url} came back with a lossy KV cache", exit_code=2)
+            self._cancel_in_flight()
+            return
+        if record is not None and record.get("changed_mid_run"):
+            events.add(f"{url} came back with other settings: KV dtype "
+                       f"{record.get('kv_dtype')}, {record.get('kv_tokens')} KV tokens")
 
     async def _probe(self, client: ChatClient, url: str) -> None:
         body = {"model": self.job.model, "max_tokens": 1,
@@ -447,6 +491,29 @@ def _set_aside_too_long(plan: Plan, todo: list[Sample],
     kept = [s for s in plan.samples if s.id not in too_long]
     return replace(plan, samples=kept, rejected=rejected), [
         s for s in todo if s.id not in too_long]
+
+
+def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,
+             rerun: bool) -> Plan:
+    """Samples of `truncation: escalate` partitions move to their `escalate_to` partition
+    (its max_tokens, a new fingerprint) when they were recorded truncated and `rerun` is
+    asked, or were already escalated by an earlier run. The rest stay as planned."""
+    base = body_digest(base_body(job.model, job.sampling.model_dump()))
+    out = []
+    for s in plan.samples:
+        part = job.partitions[s.partition]
+        e = entries.get(s.id)
+        if part.escalate_to is None or e is None:
+            out.append(s)
+            continue
+        target = job.partitions[part.escalate_to]
+        fp = fingerprint(base, content_digest(s.messages, s.followups), target.max_tokens,
+                         s.seed)
+        moved = e.fp == fp or (rerun and e.status == "done" and e.trunc
+                               and e.fp == s.fingerprint)
+        out.append(replace(s, partition=part.escalate_to, max_tokens=target.max_tokens,
+                           fingerprint=fp) if moved else s)
+    return replace(plan, samples=out)
 
 
 def prefix_order(samples: list[Sample]) -> list[Sample]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,6 +47,21 @@ class RunStatus:
     flags: dict[str, int] = field(default_factory=dict)
     categories: dict[str, CategoryStatus] = field(default_factory=dict)
     manifest: dict[str, Any] = field(default_factory=dict)
+    pid: int | None = None
+    # The running run's latest view of its servers (live.json), while it runs.
+    live: dict[str, Any] | None = None
+
+    def live_lines(self) -> list[str]:
+        if not self.live:
+            return []
+        lines = [f"scheduler {self.live.get('scheduler')}, {self.live.get('in_flight')} in "
+                 f"flight, {self.live.get('tok_s', 0):,.0f} tok/s"]
+        for url, s in (self.live.get("servers") or {}).items():
+            state = "up" if s.get("up") else "DOWN"
+            load = ", ".join(f"{k} {v:,.2f}" if isinstance(v, float) else f"{k} {v}"
+                             for k, v in s.items() if k != "up" and v is not None)
+            lines.append(f"  {url} {state}: {load}")
+        return lines
 
     def as_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__slots__ if k not in ("categories", "manifest")}
@@ -70,6 +86,14 @@ def is_running(out_dir: Path) -> bool:
         return False
 
 
+def lock_pid(out_dir: Path) -> int | None:
+    """The pid the last run wrote into its lock file (meaningful while it is locked)."""
+    try:
+        return int((out_dir / LOCK).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def iter_plan(out_dir: Path) -> list[dict[str, Any]]:
     try:
         data = (out_dir / PLAN).read_bytes()
@@ -88,6 +112,10 @@ def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Ledg
 def read_status(out_dir: Path) -> RunStatus:
     plan, entries = current_entries(out_dir)
     st = RunStatus(str(out_dir), is_running(out_dir), manifest=read_manifest(out_dir))
+    if st.running:
+        st.pid = lock_pid(out_dir)
+        with contextlib.suppress(OSError, orjson.JSONDecodeError):
+            st.live = orjson.loads((out_dir / "live.json").read_bytes())
     failures: Counter[str] = Counter()
     flags: Counter[str] = Counter()
     planned_ids = set()

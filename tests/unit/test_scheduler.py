@@ -108,13 +108,19 @@ def test_feedback_backs_off_on_preemptions_and_queue_growth_and_pushes_up_when_d
     q = Queues(sched, {"short": (150, [sample(i) for i in range(50)])})
     q.fill([server])  # the budget is full now
     sched.on_load(server, load("a", preempt=3))
-    assert sched.targets()["a"] == 850.0
+    assert sched.targets()["a"] == 800.0
     assert "3 preemption(s)" in logs[-1]
-    sched.on_load(server, load("a", preempt=3, waiting=5))
-    sched.on_load(server, load("a", preempt=3, waiting=9))
-    assert sched.targets()["a"] < 850.0 and "queue growing" in logs[-1]
+    sched.on_load(server, load("a", preempt=5))  # the same burst: no second back-off
+    assert sched.targets()["a"] == 800.0
+    sched.on_load(server, load("a", preempt=5, waiting=5))
+    sched.on_load(server, load("a", preempt=5, waiting=9))
+    assert sched.targets()["a"] < 800.0 and "queue growing" in logs[-1]
     before = sched.targets()["a"]
-    sched.on_load(server, load("a", preempt=3, waiting=0, usage=0.6))
+    # Dry queue and spare KV, but only after a few calm readings does the target rise.
+    for _ in range(4):
+        sched.on_load(server, load("a", preempt=5, waiting=0, usage=0.6))
+        assert sched.targets()["a"] == before
+    sched.on_load(server, load("a", preempt=5, waiting=0, usage=0.6))
     assert sched.targets()["a"] > before and "queue dry" in logs[-1]
 
 

@@ -119,7 +119,12 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
     if fmt is None:
         raise JobError(f"--format: {opts.format!r} is not one of {sorted(formats)}")
     plan, entries = current_entries(out_dir)
-    fmt.prepare(ExportContext(out_dir, read_manifest(out_dir)), opts)
+    manifest = read_manifest(out_dir)
+    fmt.prepare(ExportContext(out_dir, manifest), opts)
+    # Partitions whose job says `truncation: keep`: their truncated samples are exported,
+    # tagged `"truncated": true`.
+    keep = {name for name, p in ((manifest.get("job") or {}).get("partitions") or {}).items()
+            if p.get("truncation") == "keep"}
     counts = {"failed": 0, "truncated": 0, "empty": 0, "pending": 0, "exported": 0,
               "flagged": 0}
     files: dict[str, BinaryIO] = {}
@@ -131,7 +136,7 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
                 counts["pending"] += 1
             elif e.status != "done" or e.shard is None:
                 counts["failed"] += 1
-            elif e.trunc and not opts.include_truncated:
+            elif e.trunc and not (opts.include_truncated or e.part in keep):
                 counts["truncated"] += 1
             else:
                 rec = read_at(out_dir, e.shard, e.off, e.len, files)
@@ -144,7 +149,10 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
                     counts["flagged"] += 1
                     continue
                 counts["exported"] += 1
-                yield fmt.row(rec, opts)
+                row = fmt.row(rec, opts)
+                if e.trunc:
+                    row["truncated"] = True
+                yield row
 
     to.parent.mkdir(parents=True, exist_ok=True)
     tmp = to.with_name(f".{to.name}.tmp")

@@ -25,11 +25,14 @@ from draftgen.serverpool import ServerState
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 8.0
-BACK_OFF_PREEMPT = 0.85
+BACK_OFF_PREEMPT = 0.8
 BACK_OFF_QUEUE = 0.95
 PUSH_UP = 1.05
-KV_TARGET = 0.92
+KV_TARGET = 0.85
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
+# Readings after a back-off before the target may rise again: a preemption burst shows
+# over several readings, and pushing straight back up would oscillate.
+COOL_DOWN = 5
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class _ServerControl:
     waiting: int | None = None
     kv_usage: float | None = None
     running: int | None = None
+    calm: int = COOL_DOWN  # readings since the last back-off
 
     @property
     def target(self) -> float | None:
@@ -90,13 +94,18 @@ class AdaptiveScheduler(Scheduler):
             return
         target = c.capacity * c.factor
         budget_full = self.books.in_flight_tokens.get(server.url, 0.0) >= 0.9 * target
+        c.calm += 1
         if new_preempt:
-            self._set(server.url, c, c.factor * BACK_OFF_PREEMPT,
-                      f"{new_preempt} preemption(s)/retraction(s) since the last reading")
+            # One back-off per burst: the readings right after it still show the same burst.
+            if c.calm > 1:
+                self._set(server.url, c, c.factor * BACK_OFF_PREEMPT,
+                          f"{new_preempt} preemption(s)/retraction(s) since the last reading")
+            c.calm = 0
         elif growing:
             self._set(server.url, c, c.factor * BACK_OFF_QUEUE,
                       f"server queue growing: {load.waiting} waiting")
-        elif (budget_full and (load.waiting or 0) == 0
+            c.calm = 0
+        elif (c.calm >= COOL_DOWN and budget_full and (load.waiting or 0) == 0
               and (load.kv_usage is None or load.kv_usage < KV_TARGET)):
             usage = "unknown" if load.kv_usage is None else f"{load.kv_usage:.0%}"
             self._set(server.url, c, c.factor * PUSH_UP,

@@ -1,0 +1,56 @@
+"""Runs in the background: start one detached, find it again, stop it gracefully.
+
+The run's own lock file (`OUT/.lock`) holds its pid and is locked while it runs, so
+`status` and `stop` work for any run, detached or not, and never signal a stale pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from draftgen.errors import StoreError
+from draftgen.status import is_running, lock_pid
+
+LOG = "run.log"
+PID = "run.pid"
+
+
+def start_detached(args: Sequence[str], out_dir: Path) -> int:
+    """Start `draftgen run ARGS --out OUT` in its own session, logging to OUT/run.log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOG, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "draftgen", "run", *args, "--out", str(out_dir)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            # Its own session: it outlives the terminal that started it.
+            start_new_session=True,
+        )
+    (out_dir / PID).write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
+def running_pid(out_dir: Path) -> int | None:
+    """The pid of the run holding OUT's lock, or None when no run holds it."""
+    return lock_pid(out_dir) if is_running(out_dir) else None
+
+
+def stop_run(out_dir: Path, *, timeout_s: float = 120.0) -> bool:
+    """SIGTERM the run (it finishes in-flight requests within its grace period) and wait
+    until it has let go of the directory. False when no run was going."""
+    pid = running_pid(out_dir)
+    if pid is None:
+        return False
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while is_running(out_dir):
+        if time.monotonic() > deadline:
+            raise StoreError(f"{out_dir}: the run (pid {pid}) did not stop within "
+                             f"{timeout_s:.0f}s; signal it again to abort")
+        time.sleep(0.2)
+    return True

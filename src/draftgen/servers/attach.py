@@ -1,0 +1,103 @@
+"""A run's servers: launch the embedded ones, verify every one against the quality policy,
+record what each runs with, and stop what the run started.
+
+A server whose KV cache is lossy is refused unless the profile it was launched from (or
+that the job names for it) carries the override; the override is stamped into the run
+manifest. A URL that answers like neither engine (a proxy, a test stand-in) or whose KV
+dtype cannot be told is used but recorded as unverified, with a warning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draftgen.job import JobSpec
+from draftgen.servers.base import ServerInfoError
+from draftgen.servers.info import fetch_server_info, manifest_record
+from draftgen.servers.launcher import launch, stop
+from draftgen.servers.policy import check_profile, check_running
+from draftgen.servers.process import find_free_port
+from draftgen.servers.profile import ServerProfile, load_profile
+
+
+@dataclass(slots=True)
+class AttachedServers:
+    job: JobSpec
+    override_urls: list[str]
+    state_dir: Path
+    log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    urls: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    _profiles: dict[str, ServerProfile] = field(default_factory=dict)
+    _identity: dict[str, Any] = field(default_factory=dict)
+    _launched: list[ServerProfile] = field(default_factory=list)
+
+    async def __aenter__(self) -> AttachedServers:
+        if self.override_urls:
+            self.urls = [u.rstrip("/") for u in self.override_urls]
+            return self
+        try:
+            for s in self.job.servers:
+                if s.launch is not None:
+                    await self._launch(load_profile(self.job.resolve(s.launch)))
+                else:
+                    assert s.url is not None
+                    self.urls.append(s.url)
+                    if s.profile is not None:
+                        self._profiles[s.url] = load_profile(self.job.resolve(s.profile))
+        except BaseException:
+            self.stop_launched()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.stop_launched)
+
+    async def _launch(self, profile: ServerProfile) -> None:
+        check_profile(profile)
+        # Under the run directory, on a free port: a run never collides with a server the
+        # user started from the same profile by hand.
+        profile = profile.model_copy(update={"state_dir": self.state_dir})
+        port = profile.port or find_free_port()
+        self.log(f"launching {profile.engine} from {profile.source_file} on port {port} …")
+        self._launched.append(profile)
+        verified = await asyncio.to_thread(launch, profile, port=port)
+        self.log(verified.summary)
+        self.urls.append(verified.handle.url)
+        self._profiles[verified.handle.url] = profile
+
+    def stop_launched(self) -> None:
+        while self._launched:
+            stop(self._launched.pop())
+
+    async def verify(self, url: str) -> dict[str, Any] | None:
+        """Record what `url` runs with; raises QualityPolicyError for a refused server.
+        Returns the record when it is new (first check, or the server changed)."""
+        profile = self._profiles.get(url)
+        try:
+            info = await fetch_server_info(url, profile=profile)
+        except ServerInfoError as e:
+            record: dict[str, Any] = {"url": url, "verified": False, "reason": str(e)}
+            identity: Any = None
+        else:
+            identity = info.identity()
+            if info.kv_dtype is None:
+                record = {**manifest_record(info, profile=profile), "verified": False,
+                          "reason": f"KV dtype unknown: {info.kv_dtype_note}"}
+            else:
+                stamp = check_running(info, profile)
+                record = {**manifest_record(info, profile=profile, quality_stamp=stamp),
+                          "verified": True}
+        if url in self._identity and self._identity[url] == identity:
+            return None
+        changed = url in self._identity
+        self._identity[url] = identity
+        if not record["verified"]:
+            self.log(f"warning: {url}: quality policy not verified ({record['reason']})")
+        self.records.append(record)
+        return {**record, "changed_mid_run": changed}
