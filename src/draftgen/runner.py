@@ -157,9 +157,10 @@ class Runner:
     async def run(self) -> RunSummary:
         plan = build_plan(self.job)
         with RunStore.open(self.opts.out_dir) as store:
-            plan = escalate(plan, self.job, store.entries, rerun=self.opts.rerun_truncated)
+            plan, escalating = escalate(plan, self.job, store.entries,
+                                        rerun=self.opts.rerun_truncated)
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
-                                 redo_changed=self.opts.redo_changed)
+                                 redo_changed=self.opts.redo_changed, redo=escalating)
             started = time.time()
             self._servers = AttachedServers(self.job, list(self.opts.servers),
                                             self.opts.out_dir / "servers")
@@ -494,12 +495,14 @@ def _set_aside_too_long(plan: Plan, todo: list[Sample],
 
 
 def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,
-             rerun: bool) -> Plan:
+             rerun: bool) -> tuple[Plan, set[str]]:
     """Samples of `truncation: escalate` partitions move to their `escalate_to` partition
     (its max_tokens, a new fingerprint) when they were recorded truncated and `rerun` is
-    asked, or were already escalated by an earlier run. The rest stay as planned."""
+    asked, or were already escalated by an earlier run. The rest stay as planned.
+    Also returns the ids escalated just now, whose new requests replace recorded ones."""
     base = body_digest(base_body(job.model, job.sampling.model_dump()))
     out = []
+    now: set[str] = set()
     for s in plan.samples:
         part = job.partitions[s.partition]
         e = entries.get(s.id)
@@ -509,11 +512,12 @@ def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,
         target = job.partitions[part.escalate_to]
         fp = fingerprint(base, content_digest(s.messages, s.followups), target.max_tokens,
                          s.seed)
-        moved = e.fp == fp or (rerun and e.status == "done" and e.trunc
-                               and e.fp == s.fingerprint)
+        if rerun and e.status == "done" and e.trunc and e.fp == s.fingerprint:
+            now.add(s.id)
+        moved = e.fp == fp or s.id in now
         out.append(replace(s, partition=part.escalate_to, max_tokens=target.max_tokens,
                            fingerprint=fp) if moved else s)
-    return replace(plan, samples=out)
+    return replace(plan, samples=out), now
 
 
 def prefix_order(samples: list[Sample]) -> list[Sample]:

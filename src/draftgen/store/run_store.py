@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -127,11 +127,13 @@ class RunStore:
                      b"".join(orjson.dumps(r) + b"\n" for r in rejected))
 
     def pending(self, samples: list[Sample], *, retry_failed: bool = False,
-                redo_changed: bool = False) -> list[Sample]:
-        """Samples still to send. Refuses to mix records made from different requests."""
+                redo_changed: bool = False, redo: Set[str] = frozenset()) -> list[Sample]:
+        """Samples still to send. Refuses to mix records made from different requests,
+        except for the ids in `redo`, whose requests were changed on purpose."""
         changed = [
             s for s in samples
             if (e := self.entries.get(s.id)) is not None and e.fp != s.fingerprint
+            and s.id not in redo
         ]
         if changed and not redo_changed:
             raise JobChangedError(

@@ -1,0 +1,131 @@
+"""What `run` adds around the loop: server verification, truncation policy, CLI commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from fakeserver import FakeServer, Reply, completion
+from sglang_standin import StandinConfig, start_standin
+from test_runner import echo, last_user, make_job, rows, run
+from typer.testing import CliRunner
+
+from draftgen.cli import app
+from draftgen.export import ExportOptions, export_run
+from draftgen.job import load_job
+from draftgen.runner import RunOptions, run_job
+from draftgen.servers import QualityPolicyError
+from draftgen.status import read_status
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def test_a_server_running_a_lossy_kv_cache_is_refused(tmp_path: Path) -> None:
+    runner, url = await start_standin(StandinConfig(kv_cache_dtype="fp8_e4m3"))
+    try:
+        job = make_job(tmp_path, rows(2))
+        with pytest.raises(QualityPolicyError, match="lossy KV cache"):
+            await run_job(load_job(job), RunOptions(tmp_path / "out", servers=[url],
+                                                    progress=False))
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_bf16_sglang_server_is_recorded_in_the_manifest(tmp_path: Path) -> None:
+    runner, url = await start_standin(StandinConfig(kv_cache_dtype="bf16", dp_size=2))
+    try:
+        job = make_job(tmp_path, rows(2))
+        summary = await run_job(load_job(job), RunOptions(tmp_path / "out", servers=[url],
+                                                          progress=False))
+    finally:
+        await runner.cleanup()
+    assert summary.done == 2
+    manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    [server] = manifest["runs"][-1]["servers"]
+    assert server["verified"] is True and server["engine"] == "sglang"
+    assert server["kv_dtype"] == "bfloat16" and len(server["kv_tokens_per_rank"]) == 2
+    assert server["version"] == "0.5.9"
+
+
+async def test_an_unrecognised_server_is_used_but_recorded_as_unverified(tmp_path: Path) -> None:
+    job = make_job(tmp_path, rows(1))
+    async with FakeServer(responder=echo) as server:
+        await run(job, server)
+    manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    [record] = manifest["runs"][-1]["servers"]
+    assert record["verified"] is False and record["url"] == server.url
+
+
+ESCALATE = """
+model: fake
+partitions:
+  short: {max_tokens: 8, concurrency: 4, truncation: escalate, escalate_to: long}
+  long: {max_tokens: 64, concurrency: 2}
+categories:
+  - {name: chat, source: {path: chat.jsonl, id_field: id}, partition: short}
+progress_interval_s: 1000
+"""
+
+
+async def test_truncated_samples_escalate_to_the_long_partition_on_request(
+    tmp_path: Path,
+) -> None:
+    def replies(body: dict[str, Any]) -> Reply:
+        long_answer = last_user(body) in ("question 0", "question 1")
+        if long_answer and body["max_tokens"] < 64:
+            return completion(["cut"], finish="length")
+        return completion([f"answer ({body['max_tokens']})"])
+
+    (tmp_path / "chat.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows(4)))
+    job = tmp_path / "job.yaml"
+    job.write_text(ESCALATE)
+    async with FakeServer(responder=replies) as server:
+        first = await run(job, server)
+        assert (first.done, first.truncated) == (4, 2)
+        again = await run(job, server)
+        assert again.sent == 0  # escalation only when asked
+        escalated = await run(job, server, rerun_truncated=True)
+        assert escalated.sent == 2 and (escalated.done, escalated.truncated) == (4, 0)
+        assert [s.body["max_tokens"] for s in server.seen[-2:]] == [64, 64]
+        settled = await run(job, server)
+        assert settled.sent == 0 and settled.done == 4
+    s = export_run(tmp_path / "out", tmp_path / "x.jsonl", ExportOptions())
+    assert (s.exported, s.truncated) == (4, 0)
+    plan = [orjson.loads(x) for x in (tmp_path / "out" / "plan.jsonl").read_bytes().split()]
+    assert sorted(p["partition"] for p in plan) == ["long", "long", "short", "short"]
+
+
+async def test_truncation_keep_exports_truncated_samples_tagged(tmp_path: Path) -> None:
+    job = make_job(tmp_path, rows(2))
+    job.write_text(job.read_text().replace("concurrency: 4}", "concurrency: 4, truncation: keep}"))
+    async with FakeServer(responder=lambda b: completion(["cut"], finish="length")) as server:
+        await run(job, server)
+    s = export_run(tmp_path / "out", tmp_path / "x.jsonl", ExportOptions())
+    assert (s.exported, s.truncated) == (2, 0)
+    rows_out = [orjson.loads(x) for x in (tmp_path / "x.jsonl").read_bytes().splitlines()]
+    assert all(r["truncated"] is True for r in rows_out)
+    assert read_status(tmp_path / "out").truncated == 2
+
+
+def test_escalation_needs_a_larger_target_partition(tmp_path: Path) -> None:
+    job = tmp_path / "job.yaml"
+    job.write_text(ESCALATE.replace("max_tokens: 64", "max_tokens: 4"))
+    result = CliRunner().invoke(app, ["plan", str(job)])
+    assert result.exit_code == 2 and "escalate_to" in result.output
+
+
+def test_serve_dry_run_prints_the_argv_and_refuses_a_lossy_profile(tmp_path: Path) -> None:
+    profile = REPO / "examples" / "profiles" / "local-cpu.yaml"
+    ok = CliRunner().invoke(app, ["serve", str(profile), "--dry-run"])
+    assert ok.exit_code == 0, ok.output
+    assert "vllm.entrypoints.openai.api_server" in ok.output
+    assert "--kv-cache-dtype" in ok.output and "bfloat16" in ok.output
+    lossy = tmp_path / "fp8.yaml"
+    lossy.write_text(profile.read_text().replace("kv_cache_dtype: bfloat16",
+                                                 "kv_cache_dtype: fp8"))
+    refused = CliRunner().invoke(app, ["serve", str(lossy), "--dry-run"])
+    assert refused.exit_code == 2
+    assert "AIME" in refused.output and "mem_fraction" in refused.output
+    assert "dp_attention" in refused.output
