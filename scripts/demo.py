@@ -1,6 +1,7 @@
-"""`make demo`: build the tiny model, start the real local engine, plan, run, export, summarise.
+"""`make demo`: build the tiny model, plan, run (which launches the real local engine from
+its profile and stops it after), export, report, summarise.
 
-Every step is the real command a user would type; the engine is stopped at the end.
+Every step is the real command a user would type.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.engine.local import LocalEngine
 from draftgen.engine.tinymodel import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,15 +36,17 @@ def main() -> None:
     t0 = time.monotonic()
     model = build_tiny_model(ROOT / ".cache" / "tiny-model")
     print(f"tiny model: {model}")
-    with LocalEngine(model, log_path=ROOT / ".cache" / "demo-engine.log") as engine:
-        print(f"local vLLM engine up at {engine.url} ({time.monotonic() - t0:.0f}s)")
-        step("plan", str(JOB))
-        step("run", str(JOB), "--server", engine.url, "--out", str(OUT))
+    step("plan", str(JOB))
+    # The job launches the local engine from its profile, runs, and stops it.
+    step("run", str(JOB), "--out", str(OUT))
     step("status", str(OUT))
+    step("report", str(OUT), "--plots")
     lines = [
-        step("export", str(OUT), "--format", fmt, "--to", str(EXPORT / name))
-        for fmt, name in (("specforge", "specforge.jsonl"), ("sharegpt", "sharegpt.jsonl"),
-                          ("parquet", "samples.parquet"))
+        step("export", str(OUT), "--format", fmt, "--to", str(EXPORT / name), *extra)
+        for fmt, name, extra in (
+            ("specforge", "specforge.jsonl", []), ("sharegpt", "sharegpt.jsonl", []),
+            ("parquet", "samples.parquet", []),
+            ("tokens", "tokens.jsonl", ["--tokenizer", str(model)]))
     ]
     status = orjson.loads(step("status", str(OUT), "--json", show=False))
     print("\n== demo summary ==")

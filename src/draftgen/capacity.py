@@ -157,11 +157,15 @@ class Workload:
     output_samples: Mapping[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)
     # Prior for groups nothing was measured for: this fraction of max_tokens.
     prior_output_fraction: float = 0.5
+    # Exact output lengths per sample when known (a finished run replayed); else drawn.
+    known_outputs: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.categories)
         if not (len(self.partitions) == len(self.prompt_tokens) == len(self.max_tokens) == n):
             raise ValueError("Workload columns must have one entry per sample")
+        if self.known_outputs is not None and len(self.known_outputs) != n:
+            raise ValueError("known_outputs must have one entry per sample")
         missing = set(self.partitions) - set(self.concurrency)
         if missing:
             raise ValueError(f"no concurrency for partition(s) {sorted(missing)}")
@@ -206,14 +210,19 @@ class Workload:
             seen[c] = seen.get(c, 0) + 1
             if c not in per_category or seen[c] <= per_category[c]:
                 keep.append(i)
+        known = self.known_outputs
         return Workload(
             tuple(self.categories[i] for i in keep), tuple(self.partitions[i] for i in keep),
             tuple(self.prompt_tokens[i] for i in keep), tuple(self.max_tokens[i] for i in keep),
-            self.concurrency, self.output_samples, self.prior_output_fraction)
+            self.concurrency, self.output_samples, self.prior_output_fraction,
+            tuple(known[i] for i in keep) if known is not None else None)
 
     def draw_outputs(self, seed: int) -> list[int]:
         """One output length per sample; seeded per category, so a capped plan draws the
         same lengths for the samples it keeps."""
+        if self.known_outputs is not None:
+            return [max(1, min(n, m)) for n, m in zip(self.known_outputs, self.max_tokens,
+                                                      strict=True)]
         pools = _output_pools(self.output_samples)
         rngs: dict[str, random.Random] = {}
         out: list[int] = []
@@ -452,7 +461,7 @@ def _summarise(server: ServerCapacity, w: Workload, seed: int, outputs: list[int
     notes: list[str] = []
     if server.speed.source != "measured":
         notes.append(f"decode speed is {server.speed.source}, not measured")
-    if not w.output_samples:
+    if not w.output_samples and w.known_outputs is None:
         notes.append(f"no measured output lengths: assumed {w.prior_output_fraction:.0%} of "
                      "max_tokens")
     unservable = len(w) - len(fit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -29,6 +30,10 @@ def _fail(e: DraftgenError) -> typer.Exit:
     _err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
     code = 1 if isinstance(e, DiskError) else 2
     return typer.Exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _load(job_file: Path) -> JobSpec:
@@ -103,6 +108,9 @@ def run(
         print(f"started in the background: pid {pid}, log {out_dir / LOG}\n"
               f"  draftgen status {out_dir}    draftgen stop {out_dir}")
         return
+    # Outside the dispatch phase (which stops gracefully), SIGTERM interrupts like Ctrl+C so
+    # that a server launched for the run is stopped with it.
+    signal.signal(signal.SIGTERM, _interrupt)
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
                       redo_changed=redo_changed, rerun_truncated=rerun_truncated,
                       progress=progress, grace_s=grace)

@@ -296,8 +296,7 @@ class Runner:
             for t in helpers:
                 t.cancel()
             await pool.close()
-            for sig in signals:
-                loop.remove_signal_handler(sig)
+            _restore_signals(loop, signals)
 
     def _on_server_up(self, server: ServerState, events: EventLog) -> None:
         self._wake.set()
@@ -532,15 +531,23 @@ def prefix_order(samples: list[Sample]) -> list[Sample]:
     return sorted(samples, key=key)
 
 
-def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[int]:
-    installed: list[int] = []
+def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[tuple[int, Any]]:
+    """Graceful-stop handlers for the dispatch phase; returns what to restore after it."""
+    installed: list[tuple[int, Any]] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
         try:
             loop.add_signal_handler(sig, handler, sig)
-            installed.append(sig)
+            installed.append((sig, previous))
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
     return installed
+
+
+def _restore_signals(loop: asyncio.AbstractEventLoop, installed: list[tuple[int, Any]]) -> None:
+    for sig, previous in installed:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, previous)
 
 
 async def run_job(job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) -> RunSummary:

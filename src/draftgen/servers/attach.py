@@ -62,8 +62,8 @@ class AttachedServers:
         check_profile(profile)
         # Under the run directory, on a free port: a run never collides with a server the
         # user started from the same profile by hand.
-        profile = profile.model_copy(update={"state_dir": self.state_dir})
-        port = profile.port or find_free_port()
+        profile = profile.model_copy(update={"state_dir": str(self.state_dir)})
+        port = find_free_port()
         self.log(f"launching {profile.engine} from {profile.source_file} on port {port} …")
         self._launched.append(profile)
         verified = await asyncio.to_thread(launch, profile, port=port)

@@ -1,0 +1,69 @@
+"""A job that launches its own server from a profile, run detached, watched, stopped, resumed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from test_pipeline import draftgen
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# Two engine launches (about 20-40 s each here) and a run: more than the default limit.
+@pytest.mark.timeout(900)
+def test_detached_run_with_an_embedded_server_stops_and_resumes(
+    engine_installed: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    profile = tmp_path / "local.yaml"
+    profile.write_text((REPO / "examples" / "profiles" / "local-cpu.yaml").read_text()
+                       .replace("../../.cache/tiny-model", str(tiny_model_dir)))
+    rows = [{"id": i, "messages": [{"role": "user", "content": f"Count to {i}."}]}
+            for i in range(150)]
+    (tmp_path / "p.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"""
+model: tiny
+servers: [{{launch: {profile}}}]
+sampling: {{temperature: 0, extra_body: {{ignore_eos: true}}}}
+partitions: {{p: {{max_tokens: 96, concurrency: 4}}}}
+categories: [{{name: c, source: {{path: p.jsonl, id_field: id}}, partition: p}}]
+output: out
+progress_interval_s: 1
+""")
+    out = tmp_path / "out"
+    started = draftgen("run", str(job), "--detach")
+    assert started.returncode == 0 and "started in the background" in started.stdout
+
+    deadline = time.monotonic() + 300
+    while True:
+        st = orjson.loads(draftgen("status", str(out), "--json").stdout or b"{}") \
+            if (out / "plan.jsonl").exists() else {}
+        if st.get("running") and st.get("done", 0) >= 10:
+            break
+        assert time.monotonic() < deadline, (out / "run.log").read_text()
+        time.sleep(1)
+    assert st["pid"] is not None and 0 < st["done"] < 150
+    human = draftgen("status", str(out))
+    assert f"running (pid {st['pid']})" in human.stdout
+
+    stopped = draftgen("stop", str(out))
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    st = orjson.loads(draftgen("status", str(out), "--json").stdout)
+    assert st["running"] is False and st["pid"] is None
+    log = (out / "run.log").read_text()
+    assert "stopped: SIGTERM" in log
+    # The launched engine was stopped with the run: its pid file is gone, its state says so.
+    [server_dir] = (out / "servers").iterdir()
+    assert not (server_dir / "server.pid").exists()
+    assert orjson.loads((server_dir / "state.json").read_bytes())["state"] == "stopped"
+
+    final = draftgen("run", str(job))
+    assert final.returncode == 0, final.stderr
+    assert "150/150 done, 0 failed" in final.stdout
+    manifest = orjson.loads((out / "manifest.json").read_bytes())
+    server = manifest["runs"][-1]["servers"][0]
+    assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
+    assert server["profile_hash"] and server["engine"] == "vllm"
