@@ -338,7 +338,7 @@ async def test_vllm_metrics_from_a_real_engine_page(
         url=server.url, at=0.0, kv_capacity_tokens=2048, kv_used_tokens=1365,
         kv_usage=load.kv_usage, running=3, waiting=7, preemptions_total=22,
         generation_tokens_total=7000, engine_steps_total=995, source="vllm /metrics",
-        missing=(),
+        missing=(), kv_block_tokens=128,
     )
     assert server.hits == ["/v1/loads", "/metrics", "/metrics"]
     assert server.accept["/metrics"] == "text/plain"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 from draftgen.sample import Sample
@@ -156,3 +157,14 @@ def test_work_goes_to_the_server_with_the_most_free_expected_capacity() -> None:
     for _ in range(2):
         q.finish("short", 200)
     assert all(url == "big" for _, url in q.fill([big, small]))
+
+
+def test_footprints_round_up_to_the_servers_kv_blocks() -> None:
+    sched = AdaptiveScheduler()
+    server = ServerState("a")
+    reading = load("a", capacity=1024)
+    sched.on_load(server, dataclasses.replace(reading, kv_block_tokens=128))
+    q = Queues(sched, {"short": (150, [sample(i, prompt=50, max_tokens=200)
+                                       for i in range(20)])})
+    # 50 prompt + 100 expected = 150 tokens, held as two 128-token blocks: 4 fit, not 6.
+    assert len(q.fill([server])) == 4

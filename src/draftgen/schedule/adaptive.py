@@ -43,6 +43,7 @@ class _ServerControl:
     waiting: int | None = None
     kv_usage: float | None = None
     running: int | None = None
+    block: int = 1  # KV allocation granularity in tokens
     calm: int = COOL_DOWN  # readings since the last back-off
 
     @property
@@ -66,10 +67,19 @@ class AdaptiveScheduler(Scheduler):
             c = self._control[url] = _ServerControl(factor=self._initial_factor)
         return c
 
+    def footprint_on(self, sample: Sample, url: str) -> float:
+        """The footprint in whole KV blocks of that server: a 130-token answer holds two
+        128-token blocks, which for short answers nearly doubles what it occupies."""
+        block = self.control(url).block
+        return -(-self.footprint(sample) // block) * block
+
     def started(self, sample: Sample, server: ServerState) -> None:
-        super().started(sample, server)
+        size = self.footprint_on(sample, server.url)
+        self.books.footprints[sample.id] = size
+        self.books.in_flight_tokens[server.url] = (
+            self.books.in_flight_tokens.get(server.url, 0.0) + size)
         self._partition_tokens[sample.partition] = (
-            self._partition_tokens.get(sample.partition, 0.0) + self.books.footprints[sample.id])
+            self._partition_tokens.get(sample.partition, 0.0) + size)
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
         size = self.books.footprints.get(sample.id, 0.0)
@@ -79,6 +89,8 @@ class AdaptiveScheduler(Scheduler):
 
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
         c = self.control(server.url)
+        if load.kv_block_tokens:
+            c.block = load.kv_block_tokens
         if load.kv_capacity_tokens and load.kv_capacity_tokens != c.capacity:
             self._log(f"{server.url}: capacity {load.kv_capacity_tokens:,} KV tokens")
             c.capacity = load.kv_capacity_tokens
@@ -136,7 +148,7 @@ class AdaptiveScheduler(Scheduler):
         server = max(ups, key=self._free)
         part = max(ready, key=self._deficit(ready))
         assert part.head is not None
-        if self._free(server) >= self.footprint(part.head) or server.in_flight == 0:
+        if self._free(server) >= self.footprint_on(part.head, server.url) or not server.in_flight:
             return part.name, server
         return None
 

@@ -19,6 +19,7 @@ with the fields missing, never an exception, so a polling loop needs no guard.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ class ServerLoad:
     engine_steps_total: int | None
     source: str  # which endpoint(s) answered, e.g. "sglang /v1/loads", "vllm /metrics"
     missing: tuple[str, ...]  # fields it could not see
+    # KV is allocated in blocks of this many tokens (vLLM's block_size); None: per token.
+    kv_block_tokens: int | None = None
 
 
 # The reading fields of ServerLoad, in declaration order.
@@ -148,6 +151,7 @@ def read_prometheus(text: str) -> tuple[Reading, Engine | None]:
     # name → replica → value; copies of one replica (TP/PP ranks) collapse by max.
     series: dict[str, dict[tuple[str, ...], float]] = {}
     capacity: dict[tuple[str, ...], float] = {}
+    reading_extra: Reading = {}
     for family in text_string_to_metric_families("\n".join(kept) + "\n"):
         for s in family.samples:
             replica = tuple(s.labels.get(k, "") for k in _REPLICA_LABELS)
@@ -155,6 +159,8 @@ def read_prometheus(text: str) -> tuple[Reading, Engine | None]:
                 tokens = _cache_info_tokens(s.labels)
                 if tokens is not None:
                     capacity[replica] = tokens
+                with contextlib.suppress(KeyError, ValueError):
+                    reading_extra["kv_block_tokens"] = float(s.labels["block_size"])
                 continue
             value = _number(s.value)
             if value is not None:
@@ -165,7 +171,7 @@ def read_prometheus(text: str) -> tuple[Reading, Engine | None]:
         engine = "vllm"
     elif any(n.startswith("sglang:") for n in series):
         engine = "sglang"
-    reading: Reading = {}
+    reading: Reading = dict(reading_extra)
     for name, fieldname in (_VLLM_SUMS if engine == "vllm" else _SGLANG_SUMS).items():
         if name in series and fieldname not in reading:
             reading[fieldname] = sum(series[name].values())
@@ -312,7 +318,7 @@ class LoadPoller:
             preemptions_total=whole("preemptions_total"),
             generation_tokens_total=whole("generation_tokens_total"),
             engine_steps_total=whole("engine_steps_total"),
-            source=source, missing=missing,
+            source=source, missing=missing, kv_block_tokens=whole("kv_block_tokens"),
         )
 
     def _say(self, message: str) -> None:
