@@ -29,7 +29,9 @@ from draftgen.errors import JobError
 from draftgen.job import JobSpec, load_job
 
 Mode = Literal["proportional", "priority"]
-_BISECT_STEPS = 12
+_MAX_TRIALS = 24
+# Within this share of the budget is close enough: lengths are drawn, not known.
+_CLOSE_ENOUGH = 0.002
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,10 +85,10 @@ def fit_caps(plan_summary: Sequence[Mapping[str, Any]], prediction: Prediction,
     if prediction.duration_s <= budget_s:
         return CapPlan(dict(prompts), prompts, prediction, budget_s, mode)
     if mode == "proportional":
-        caps, pred = _fit_proportional(prompts, budget_s, trial)
+        caps, pred = _fit_proportional(prompts, budget_s, trial, prediction.duration_s)
     elif mode == "priority":
         order = [*priority, *(c for c in counts if c not in priority)]
-        caps, pred = _fit_priority(prompts, order, budget_s, trial)
+        caps, pred = _fit_priority(prompts, order, budget_s, trial, prediction.duration_s)
     else:
         raise ValueError(f"mode must be 'proportional' or 'priority', not {mode!r}")
     return CapPlan(caps, prompts, pred, budget_s, mode)
@@ -102,48 +104,67 @@ def propose_caps(plan_summary: Sequence[Mapping[str, Any]], prediction: Predicti
 Trial = Callable[[Mapping[str, int]], Prediction]
 
 
-def _bisect(make: Callable[[float], dict[str, int]], budget_s: float, trial: Trial,
-            ) -> tuple[dict[str, int], Prediction]:
-    """The largest x in [0, 1] whose caps fit; x = 0 always counts as fitting."""
-    lo, hi = 0.0, 1.0
+def _search(make: Callable[[float], dict[str, int]], budget_s: float, trial: Trial,
+            full_s: float, resolution: float) -> tuple[dict[str, int], Prediction]:
+    """The largest x in [0, 1] whose caps `make(x)` fit; x = 1 is known not to fit (it
+    takes `full_s`) and x = 0 (nothing) always fits.
+
+    Duration is close to linear in x, so the next trial interpolates between the bracket's
+    ends (regula falsi), falling back to halving when one end stops moving; a plan of 10^5
+    samples then needs a handful of simulations instead of a dozen.
+    """
+    lo, lo_s = 0.0, 0.0
     best = make(0.0)
     best_pred = trial(best)
-    for _ in range(_BISECT_STEPS):
-        mid = (lo + hi) / 2
-        caps = make(mid)
+    hi, hi_s = 1.0, full_s
+    last_side = ""
+    for _ in range(_MAX_TRIALS):
+        if hi - lo <= resolution or budget_s - lo_s <= _CLOSE_ENOUGH * budget_s:
+            break
+        x = lo + (budget_s - lo_s) * (hi - lo) / (hi_s - lo_s) if hi_s > lo_s else hi
+        if not lo + resolution / 2 < x < hi - resolution / 2 or last_side.endswith("ll") \
+                or last_side.endswith("hh"):
+            x = (lo + hi) / 2
+            last_side = ""
+        caps = make(x)
         pred = trial(caps)
         if pred.duration_s <= budget_s:
-            lo, best, best_pred = mid, caps, pred
+            lo, lo_s, best, best_pred = x, pred.duration_s, caps, pred
+            last_side += "l"
         else:
-            hi = mid
+            hi, hi_s = x, pred.duration_s
+            last_side += "h"
     return best, best_pred
 
 
 def _fit_proportional(prompts: Mapping[str, int], budget_s: float, trial: Trial,
-                      ) -> tuple[dict[str, int], Prediction]:
-    return _bisect(lambda f: {c: int(f * n) for c, n in prompts.items()}, budget_s, trial)
+                      full_s: float) -> tuple[dict[str, int], Prediction]:
+    return _search(lambda f: {c: int(f * n) for c, n in prompts.items()}, budget_s, trial,
+                   full_s, 1 / max(1, *prompts.values()))
 
 
 def _fit_priority(prompts: Mapping[str, int], order: list[str], budget_s: float,
-                  trial: Trial) -> tuple[dict[str, int], Prediction]:
+                  trial: Trial, full_s: float) -> tuple[dict[str, int], Prediction]:
     def whole_up_to(j: int) -> dict[str, int]:
         return {c: (prompts[c] if i < j else 0) for i, c in enumerate(order)}
 
     # Fitting is monotone in how many categories are whole: bisect on that count first.
     lo, hi = 0, len(order)  # whole_up_to(lo) fits; whole_up_to(hi) does not (uncapped plan)
+    hi_s = full_s
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if trial(whole_up_to(mid)).duration_s <= budget_s:
+        d = trial(whole_up_to(mid)).duration_s
+        if d <= budget_s:
             lo = mid
         else:
-            hi = mid
+            hi, hi_s = mid, d
     partial = order[lo]
     kept = whole_up_to(lo)
 
     def make(f: float) -> dict[str, int]:
         return {**kept, partial: int(f * prompts[partial])}
 
-    return _bisect(make, budget_s, trial)
+    return _search(make, budget_s, trial, hi_s, 1 / max(1, prompts[partial]))
 
 
 HEADER = (

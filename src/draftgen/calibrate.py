@@ -56,6 +56,9 @@ class Measured:
     speed: DecodeSpeed | None = None
     kv_tokens: int | None = None  # per server
     block_size: int | None = None
+    # The engine's cap on running requests: SGLang publishes it, vLLM does not (its
+    # --max-num-seqs defaults to 128 on CPU, 256 to 1024 on GPUs).
+    max_running: int | None = None
     servers: int = 1
     source: str = ""
     notes: tuple[str, ...] = ()
@@ -67,6 +70,7 @@ class Measured:
             speed=other.speed or self.speed,
             kv_tokens=other.kv_tokens or self.kv_tokens,
             block_size=other.block_size or self.block_size,
+            max_running=other.max_running or self.max_running,
             source=f"{self.source} + {other.source}",
             notes=self.notes + other.notes,
         )
@@ -80,7 +84,7 @@ class Measured:
         return ServerCapacity(
             kv_tokens=kv, speed=self.speed or DecodeSpeed.assumed(),
             servers=servers or self.servers, block_size=self.block_size or 1,
-            max_running=max_running)
+            max_running=max_running or self.max_running)
 
 
 # --- from a run directory -------------------------------------------------------------
@@ -259,19 +263,32 @@ async def calibrate(url: str, model: str, *, concurrency_levels: Sequence[int] =
     extra = {k: v for k, v in (sampling or {}).items()
              if k not in ("model", "messages", "max_tokens", "stream", "seed")}
     async with aiohttp.ClientSession() as http, ChatClient(api_key=api_key) as client:
-        kv, block, info_note = await server_capacity(http, base)
+        info = await server_info(http, base)
         levels = []
         for c in concurrency_levels:
             levels.append(await _measure_level(http, client, base, model, c, max_tokens,
                                                seconds, warmup_s, extra))
-        prefill_tok_s = await _measure_prefill(client, base, model, kv) if prefill else None
+        prefill_tok_s = (await _measure_prefill(client, base, model, info.kv_tokens)
+                         if prefill else None)
     points = tuple((lv.running, lv.tok_s) for lv in levels if lv.tok_s > 0 and lv.running > 0)
-    notes = [info_note] if info_note else []
+    notes = [info.note] if info.note else []
     if any(not lv.from_engine for lv in levels):
         notes.append("no engine step counters: running assumed from concurrency / load")
     speed = DecodeSpeed(_merge_points(points), prefill_tok_s, "calibrated") if points else None
-    return Measured(speed=speed, kv_tokens=kv, block_size=block, source=f"calibration {base}",
+    return Measured(speed=speed, kv_tokens=info.kv_tokens, block_size=info.block_size,
+                    max_running=info.max_running, source=f"calibration {base}",
                     notes=tuple(notes))
+
+
+def concurrency_levels_for(max_concurrency: int) -> tuple[int, ...]:
+    """1, 4, 16, ... up to the job's total concurrency (which is included): the speed curve
+    is then measured wherever the run can go, not extrapolated there."""
+    levels = [1]
+    while levels[-1] * 4 < max_concurrency:
+        levels.append(levels[-1] * 4)
+    if max_concurrency > 1:
+        levels.append(max_concurrency)
+    return tuple(levels)
 
 
 def _merge_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -287,23 +304,40 @@ def _merge_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, f
     return tuple((m[0], m[1]) for m in merged)
 
 
-async def server_capacity(http: aiohttp.ClientSession, base: str,
-                          ) -> tuple[int | None, int | None, str]:
-    """(KV tokens, block size, a note) from vLLM /metrics or SGLang /server_info."""
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    kv_tokens: int | None
+    block_size: int | None
+    max_running: int | None
+    note: str = ""
+
+
+async def server_info(http: aiohttp.ClientSession, base: str) -> ServerInfo:
+    """KV capacity, page size and running limit from vLLM /metrics or SGLang /server_info."""
     text = await _get_text(http, base + "/metrics")
     if text:
         kv, block = capacity_from_metrics(parse_metrics(text)[1])
         if kv:
-            return kv, block, ""
+            return ServerInfo(kv, block, None)
     info = await _get_json(http, base + "/server_info") or \
         await _get_json(http, base + "/get_server_info")
-    if isinstance(info, dict) and info.get("max_total_num_tokens"):
-        dp = int(info.get("dp_size") or 1)
-        per_rank = int(info["max_total_num_tokens"])
-        note = (f"SGLang dp_size {dp}: {per_rank:,} KV tokens per rank, counted as one server "
-                "with their sum") if dp > 1 else ""
-        return per_rank * dp, int(info.get("page_size") or 1), note
-    return None, None, "KV capacity not published by the server"
+    if isinstance(info, dict):
+        return sglang_info(info)
+    return ServerInfo(None, None, None, "KV capacity not published by the server")
+
+
+def sglang_info(info: Mapping[str, Any]) -> ServerInfo:
+    """SGLang's /server_info. Its capacity is per DP rank; with dp attention each rank has
+    its own cache and batch, and the server counts as one with their sum."""
+    if not info.get("max_total_num_tokens"):
+        return ServerInfo(None, None, None, "KV capacity not published by the server")
+    dp = int(info.get("dp_size") or 1)
+    per_rank = int(info["max_total_num_tokens"])
+    running = info.get("max_running_requests")
+    note = (f"SGLang dp_size {dp}: {per_rank:,} KV tokens per rank, counted as one server "
+            "with their sum") if dp > 1 else ""
+    return ServerInfo(per_rank * dp, int(info.get("page_size") or 1),
+                      int(running) * dp if running else None, note)
 
 
 async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
@@ -428,12 +462,15 @@ async def _measure_prefill(client: ChatClient, base: str, model: str,
 __all__ = [
     "LevelResult",
     "Measured",
+    "ServerInfo",
     "calibrate",
     "capacity_from_metrics",
+    "concurrency_levels_for",
     "decode_intervals",
     "measure_from_run",
     "parse_metrics",
-    "server_capacity",
+    "server_info",
+    "sglang_info",
     "speed_from_intervals",
     "speed_from_records",
 ]

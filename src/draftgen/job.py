@@ -9,18 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from draftgen.errors import JobError
+from draftgen.yamlfile import load_model
 
 
 class _Strict(BaseModel):
@@ -206,34 +204,9 @@ class JobSpec(_Strict):
         return path if path.is_absolute() else self._base_dir / path
 
 
-def _format_error(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: invalid job spec"]
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
-
-
 def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job file; relative paths in it resolve from its directory."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise JobError(f"{p}: cannot read job file: {e.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise JobError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise JobError(f"{p}: a job file must be a mapping of fields")
-    try:
-        job = JobSpec.model_validate(raw)
-    except ValidationError as e:
-        raise JobError(_format_error(p, e)) from None
-    job._base_dir = p.resolve().parent
-    job._source_file = p.resolve()
+    job = load_model(path, JobSpec, "job file")
+    job._base_dir = Path(path).resolve().parent
+    job._source_file = Path(path).resolve()
     return job

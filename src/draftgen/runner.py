@@ -457,9 +457,7 @@ class Runner:
                 return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
                                "content_filter", "the server's content filter stopped the "
                                "answer", attempts, server.url, self.clock.time())
-            turns.append(Turn(done.content, done.reasoning, done.finish_reason,
-                              done.prompt_tokens, done.completion_tokens, done.ttft_s,
-                              done.duration_s))
+            turns.append(done)
             # A truncated reply ends the chain: the next user turn would answer a cut-off text.
             if not followups or done.finish_reason == "length":
                 break

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
@@ -30,6 +29,7 @@ from draftgen.client.classify import (
 from draftgen.client.sse import DONE, SSEDecoder
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import BadRequest, RequestError, ServerDown, Transient
+from draftgen.sample import Turn
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -47,16 +47,9 @@ _ABORTED = frozenset({"abort", "error"})
 _MALFORMED = (orjson.JSONDecodeError, AttributeError, TypeError, IndexError, KeyError, ValueError)
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
-    content: str
-    reasoning: str | None
-    finish_reason: str | None
-    prompt_tokens: int
-    # From the server's usage report only; 0 when the server sent none.
-    completion_tokens: int
-    ttft_s: float | None
-    duration_s: float
+# One generated reply is stored exactly as the client returns it (`completion_tokens` comes
+# from the server's usage report only; 0 when the server sent none).
+Completion = Turn
 
 
 class ChatClient:

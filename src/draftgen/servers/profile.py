@@ -16,20 +16,18 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from draftgen.errors import JobError
 from draftgen.servers.dtypes import canonical_kv_dtype
+from draftgen.yamlfile import load_model
 
 EngineName = Literal["sglang", "vllm"]
 
@@ -233,33 +231,8 @@ def resolve_paths(profile: ServerProfile, base_dir: Path) -> ServerProfile:
     return resolved
 
 
-def _format_error(path: Path, err: ValidationError) -> str:
-    lines = [f"{path}: invalid server profile"]
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
-
-
 def load_profile(path: str | Path) -> ServerProfile:
     """Read and validate a profile file; relative paths in it resolve from its directory."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise JobError(f"{p}: cannot read server profile: {e.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise JobError(f"{p}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise JobError(f"{p}: a server profile must be a mapping of fields")
-    try:
-        profile = ServerProfile.model_validate(raw)
-    except ValidationError as e:
-        raise JobError(_format_error(p, e)) from None
-    profile._source_file = p.resolve()
-    return resolve_paths(profile, p.resolve().parent)
+    profile = load_model(path, ServerProfile, "server profile")
+    profile._source_file = Path(path).resolve()
+    return resolve_paths(profile, Path(path).resolve().parent)
