@@ -10,7 +10,9 @@ dtype cannot be told is used but recorded as unverified, with a warning.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +68,22 @@ class AttachedServers:
         port = find_free_port()
         self.log(f"launching {profile.engine} from {profile.source_file} on port {port} …")
         self._launched.append(profile)
-        verified = await asyncio.to_thread(launch, profile, port=port)
+        cancelled = threading.Event()
+
+        def on_wait(_elapsed_s: float) -> None:
+            # Raised inside the launching thread, so `launch` stops the half-started server.
+            if cancelled.is_set():
+                raise KeyboardInterrupt
+
+        attempt = asyncio.ensure_future(asyncio.to_thread(launch, profile, port=port,
+                                                          on_wait=on_wait))
+        try:
+            verified = await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            cancelled.set()
+            with contextlib.suppress(BaseException):
+                await attempt
+            raise
         self.log(verified.summary)
         self.urls.append(verified.handle.url)
         self._profiles[verified.handle.url] = profile
