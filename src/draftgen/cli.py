@@ -90,6 +90,8 @@ def run(
     grace: Annotated[float, typer.Option(help="seconds in-flight requests get after a stop")] = 30,
     detach: Annotated[bool, typer.Option(
         help="run in the background; log and pid under the output directory")] = False,
+    metrics_port: Annotated[int | None, typer.Option(
+        help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port)")] = None,
 ) -> None:
     """Generate every pending sample of the job; safe to run again to resume."""
     from draftgen.runner import RunOptions, run_job
@@ -103,7 +105,8 @@ def run(
                 *(f for url in server or () for f in ("--server", url)),
                 *(flag for on, flag in ((retry_failed, "--retry-failed"),
                                         (redo_changed, "--redo-changed"),
-                                        (rerun_truncated, "--rerun-truncated")) if on)]
+                                        (rerun_truncated, "--rerun-truncated")) if on),
+                *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
         pid = start_detached(args, out_dir.resolve())
         print(f"started in the background: pid {pid}, log {out_dir / LOG}\n"
               f"  draftgen status {out_dir}    draftgen stop {out_dir}")
@@ -113,7 +116,7 @@ def run(
     signal.signal(signal.SIGTERM, _interrupt)
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
                       redo_changed=redo_changed, rerun_truncated=rerun_truncated,
-                      progress=progress, grace_s=grace)
+                      progress=progress, grace_s=grace, metrics_port=metrics_port)
     try:
         summary = asyncio.run(run_job(job, opts))
     except DraftgenError as e:

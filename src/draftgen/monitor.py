@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 
 from draftgen.clock import Clock
+from draftgen.metrics import MetricsExporter
 from draftgen.schedule.base import Scheduler
 from draftgen.schedule.load import LoadPoller, ServerLoad
 from draftgen.serverpool import ServerPool
@@ -54,7 +55,7 @@ class RunMonitor:
                  stats: RunStats, clock: Clock, interval_s: float,
                  give_up_s: float | None, waiting: Callable[[], int],
                  wake: Callable[[], None], give_up: Callable[[str], None],
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], metrics: MetricsExporter | None = None) -> None:
         self._out = out_dir
         self._pool = pool
         self._scheduler = scheduler
@@ -66,6 +67,7 @@ class RunMonitor:
         self._wake = wake
         self._give_up = give_up
         self._log = log
+        self._metrics = metrics
         self._session: aiohttp.ClientSession | None = None
         self._pollers: dict[str, LoadPoller] = {}
         self.loads: dict[str, ServerLoad] = {}
@@ -92,6 +94,8 @@ class RunMonitor:
                 self.loads[server.url] = load
                 self._scheduler.on_load(server, load)
         self._stats.servers = tuple(self._server_view())
+        if self._metrics is not None:
+            self._metrics.update(self._stats.snapshot())
         self._wake()
 
     def _server_view(self) -> list[ServerSnapshot]:

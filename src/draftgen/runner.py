@@ -14,6 +14,7 @@ import asyncio
 import os
 import random
 import signal
+import sys
 import time
 from collections import Counter, deque
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from draftgen.client import ChatClient
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError, RequestError, ServerDown
 from draftgen.job import JobSpec
+from draftgen.metrics import MetricsExporter
 from draftgen.monitor import EventLog, RunMonitor
 from draftgen.plan import Plan, build_plan
 from draftgen.progress import ProgressView
@@ -63,6 +65,7 @@ class RunOptions:
     rerun_truncated: bool = False
     progress: bool | None = None  # None: live view only on a terminal
     grace_s: float = 30.0
+    metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +154,7 @@ class Runner:
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[None]] = set()
         self.pool: ServerPool | None = None
+        self.metrics: MetricsExporter | None = None
         self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
                                      else StaticScheduler())
 
@@ -273,6 +277,7 @@ class Runner:
             give_up_s=self.job.client.server_down_give_up_s,
             waiting=lambda: sum(len(q.samples) + q.in_flight for q in self._queues.values()),
             wake=self._wake.set, give_up=self._give_up, log=events.add,
+            metrics=self._start_metrics(events),
         )
         loop = asyncio.get_running_loop()
         signals = _install_signals(loop, self._on_signal)
@@ -297,6 +302,17 @@ class Runner:
                 t.cancel()
             await pool.close()
             _restore_signals(loop, signals)
+            if self.metrics is not None:
+                self.metrics.stop()
+
+    def _start_metrics(self, events: EventLog) -> MetricsExporter | None:
+        if self.opts.metrics_port is None:
+            return None
+        self.metrics = MetricsExporter()
+        port = self.metrics.start(self.opts.metrics_port)
+        events.add(f"Prometheus metrics on http://127.0.0.1:{port}/metrics")
+        print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
+        return self.metrics
 
     def _on_server_up(self, server: ServerState, events: EventLog) -> None:
         self._wake.set()
