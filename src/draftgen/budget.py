@@ -212,6 +212,10 @@ def _rebase_paths(raw: dict[str, Any], old: Path, new: Path) -> None:
     for key in ("tokenizer", "api_key_file", "output"):
         if isinstance(raw.get(key), str):
             raw[key] = rebase(raw[key])
+    for server in raw.get("servers") or []:
+        for key in ("launch", "profile"):
+            if isinstance(server, dict) and isinstance(server.get(key), str):
+                server[key] = rebase(server[key])
     for cat in raw["categories"]:
         source = cat.get("source") if isinstance(cat, dict) else None
         if not isinstance(source, dict):

@@ -48,9 +48,26 @@ def _json(obj: object) -> None:
 
 
 @app.command()
-def plan(job_file: Annotated[Path, typer.Argument(help="job YAML")],
-         as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
-    """Read every source, apply caps and dedup, and show what a run would generate."""
+def plan(
+    job_file: Annotated[Path, typer.Argument(help="job YAML")],
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+    server: Annotated[str | None, typer.Option(
+        help="calibrate against this server and predict the run's duration")] = None,
+    from_run: Annotated[Path | None, typer.Option(
+        help="use the lengths and speed measured in this run directory")] = None,
+    budget: Annotated[str | None, typer.Option(
+        help="time budget (48h, 90m, 2d12h): propose per-category caps that fit")] = None,
+    priority: Annotated[str | None, typer.Option(
+        help="cap by priority instead of proportionally: categories, most important first, "
+             "comma-separated")] = None,
+    write_job: Annotated[Path | None, typer.Option(
+        help="write a copy of the job with the proposed caps")] = None,
+    kv_tokens: Annotated[int | None, typer.Option(
+        help="what if each server had this many KV tokens")] = None,
+    servers: Annotated[int | None, typer.Option(help="what if there were N servers")] = None,
+) -> None:
+    """Read every source, apply caps and dedup, and show what a run would generate; with
+    --server or --from-run, how long it will take and what fits a --budget."""
     from draftgen.plan import build_plan
 
     job = _load(job_file)
@@ -60,19 +77,45 @@ def plan(job_file: Annotated[Path, typer.Argument(help="job YAML")],
         raise _fail(e) from None
     rows = p.summary_rows()
     if as_json:
-        _json({"rows": rows, "token_count": p.token_count_label,
+        _json({"rows": rows, "totals": p.totals(), "token_count": p.token_count_label,
                "rejected": [{"category": r.category, "source": r.source, "row": r.row,
                              "reason": r.reason} for r in p.rejected]})
+    else:
+        t = Table(title=f"plan for {job_file} (prompt tokens: {p.token_count_label})")
+        cols = ["category", "partition", "prompts", "samples", "rejected", "duplicates",
+                "capped", "prompt_tokens", "max_output_tokens"]
+        for c in cols:
+            t.add_column(c.replace("_", " "), justify="left" if c in cols[:2] else "right")
+        for r in [*rows, p.totals()]:
+            t.add_row(*(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c]) for c in cols),
+                      style="bold" if r["category"] == "total" else None)
+        _out.print(t)
+    if server is None and from_run is None:
+        if budget or kv_tokens or servers or write_job:
+            raise _fail(JobError("--budget, --kv-tokens, --servers and --write-job need "
+                                 "--server URL or --from-run OUT"))
         return
-    t = Table(title=f"plan for {job_file} (prompt tokens: {p.token_count_label})")
-    cols = ["category", "partition", "prompts", "samples", "rejected", "duplicates", "capped",
-            "prompt_tokens", "max_output_tokens"]
-    for c in cols:
-        t.add_column(c.replace("_", " "), justify="left" if c in cols[:2] else "right")
-    for r in rows:
-        t.add_row(*(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c]) for c in cols),
-                  style="bold" if r["category"] == "total" else None)
-    _out.print(t)
+    from draftgen.forecast import forecast, measure, parse_duration
+    from draftgen.runner import read_api_key
+
+    try:
+        budget_s = parse_duration(budget) if budget else None
+        measured = asyncio.run(measure(job, server=server, from_run=from_run,
+                                       api_key=read_api_key(job)))
+        order = [c.strip() for c in (priority or "").split(",") if c.strip()]
+        fc = forecast(job, p, measured, kv_tokens=kv_tokens, servers=servers,
+                      budget_s=budget_s, mode="priority" if order else "proportional",
+                      priority=order)
+        for line in fc.lines():
+            print(line)
+        if write_job is not None:
+            if fc.caps is None:
+                raise JobError("--write-job needs --budget")
+            from draftgen.budget import write_job_with_caps
+
+            print(f"wrote {write_job_with_caps(job_file, fc.caps.caps, write_job)}")
+    except DraftgenError as e:
+        raise _fail(e) from None
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,36 @@ def test_serve_dry_run_prints_the_argv_and_refuses_a_lossy_profile(tmp_path: Pat
     assert refused.exit_code == 2
     assert "AIME" in refused.output and "mem_fraction" in refused.output
     assert "dp_attention" in refused.output
+
+
+def test_plan_from_a_run_predicts_and_caps_to_a_budget(tmp_path: Path) -> None:
+    job = make_job(tmp_path, rows(40), conc=4)
+
+    async def record_a_run() -> None:
+        async with FakeServer(responder=echo) as server:
+            await run(job, server)
+
+    asyncio.run(record_a_run())  # `plan` runs its own event loop: this test has none
+    base = ["plan", str(job), "--from-run", str(tmp_path / "out"), "--kv-tokens", "100000"]
+    full = CliRunner().invoke(app, base)
+    assert full.exit_code == 0, full.output
+    assert "predicted: 40 samples" in full.output
+    tight = CliRunner().invoke(app, [*base, "--budget", "0.00005s", "--write-job",
+                                     str(tmp_path / "capped.yaml")])
+    assert tight.exit_code == 0, tight.output
+    assert "caps to fit" in tight.output and "chat: 40 →" in tight.output
+    capped = load_job(tmp_path / "capped.yaml")
+    assert capped.categories[0].cap is not None and capped.categories[0].cap < 40
+    assert capped.resolve(capped.categories[0].source.path or "").exists()
+    no_measure = CliRunner().invoke(app, ["plan", str(job), "--budget", "48h"])
+    assert no_measure.exit_code == 2 and "--from-run" in no_measure.output
+
+
+def test_durations_parse() -> None:
+    from draftgen.forecast import parse_duration
+
+    assert parse_duration("48h") == 172_800
+    assert parse_duration("2d12h") == 216_000
+    assert parse_duration("90m") == 5_400
+    with pytest.raises(Exception, match="duration"):
+        parse_duration("soon")
