@@ -96,7 +96,7 @@ def plan(
                                  "--server URL or --from-run OUT"))
         return
     from draftgen.forecast import forecast, measure, parse_duration
-    from draftgen.runner import read_api_key
+    from draftgen.job import read_api_key
 
     try:
         budget_s = parse_duration(budget) if budget else None

@@ -6,6 +6,7 @@ Every model forbids unknown keys so a typo is an error, not a silently ignored s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from draftgen.errors import JobError
 from draftgen.yamlfile import load_model
 
 
@@ -210,3 +212,22 @@ def load_job(path: str | Path) -> JobSpec:
     job._base_dir = Path(path).resolve().parent
     job._source_file = Path(path).resolve()
     return job
+
+
+def read_api_key(job: JobSpec) -> str | None:
+    """The key itself is never logged, stored or echoed; errors name only where it lives."""
+    if job.api_key_env is not None:
+        key = os.environ.get(job.api_key_env, "").strip()
+        if not key:
+            raise JobError(f"api_key_env: environment variable {job.api_key_env} is not set")
+        return key
+    if job.api_key_file is not None:
+        path = job.resolve(job.api_key_file)
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise JobError(f"api_key_file: cannot read {path}: {e.strerror}") from None
+        if not key:
+            raise JobError(f"api_key_file: {path} is empty")
+        return key
+    return None

@@ -11,15 +11,14 @@ in-flight requests get a grace period, then are cancelled and stay pending.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,19 @@ from draftgen import __version__
 from draftgen.client import ChatClient
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError, RequestError, ServerDown
-from draftgen.job import JobSpec
+from draftgen.job import JobSpec, read_api_key
 from draftgen.metrics import MetricsExporter
 from draftgen.monitor import EventLog, RunMonitor
 from draftgen.plan import Plan, build_plan
 from draftgen.progress import ProgressView
+from draftgen.replan import escalate, prefix_order, set_aside_too_long
 from draftgen.retry import Backoff, with_retries
 from draftgen.sample import (
     Failure,
     Record,
-    Rejected,
     Sample,
     Turn,
     base_body,
-    body_digest,
-    content_digest,
-    fingerprint,
     request_body,
 )
 from draftgen.schedule.adaptive import AdaptiveScheduler
@@ -52,7 +48,7 @@ from draftgen.serverpool import ServerPool, ServerState
 from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
 from draftgen.stats import RunStats, Snapshot
-from draftgen.store import LedgerEntry, RunStore
+from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
 
 
@@ -119,25 +115,6 @@ class _RunState:
         self.stop.set()
 
 
-def read_api_key(job: JobSpec) -> str | None:
-    """The key itself is never logged, stored or echoed; errors name only where it lives."""
-    if job.api_key_env is not None:
-        key = os.environ.get(job.api_key_env, "").strip()
-        if not key:
-            raise JobError(f"api_key_env: environment variable {job.api_key_env} is not set")
-        return key
-    if job.api_key_file is not None:
-        path = job.resolve(job.api_key_file)
-        try:
-            key = path.read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise JobError(f"api_key_file: cannot read {path}: {e.strerror}") from None
-        if not key:
-            raise JobError(f"api_key_file: {path} is empty")
-        return key
-    return None
-
-
 class Runner:
     def __init__(self, job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) -> None:
         self.job = job
@@ -187,7 +164,7 @@ class Runner:
                     if todo:
                         context = await self._context_tokens(client)
                         if context is not None:
-                            plan, todo = _set_aside_too_long(plan, todo, context)
+                            plan, todo = set_aside_too_long(plan, todo, context)
                     store.write_plan(plan.samples, plan.rejected)
                     self._count_plan(plan, store, {s.id for s in todo})
                     manifest = self._manifest_start(store, plan)
@@ -484,67 +461,6 @@ class Runner:
                       self.clock.time())
 
 
-def _set_aside_too_long(plan: Plan, todo: list[Sample],
-                        context: int) -> tuple[Plan, list[Sample]]:
-    """Prompts that cannot fit the servers' context become rejected rows, not requests.
-
-    An estimated count only rejects when it is twice the context, so a rough estimate never
-    throws away a prompt the server would have taken; the server's own 400 covers the rest.
-    """
-    limit = context if plan.token_count_label.startswith("tokenizer") else 2 * context
-    too_long = {s.id for s in plan.samples if s.prompt_tokens > limit}
-    if not too_long:
-        return plan, todo
-    rejected = list(plan.rejected)
-    for s in plan.samples:
-        if s.id in too_long:
-            src, _, row = s.source.rpartition(":")
-            rejected.append(Rejected(s.category, src, int(row) if row.isdigit() else -1,
-                                     f"prompt_too_long: {s.prompt_tokens} prompt tokens > the "
-                                     f"server's context of {context}"))
-    kept = [s for s in plan.samples if s.id not in too_long]
-    return replace(plan, samples=kept, rejected=rejected), [
-        s for s in todo if s.id not in too_long]
-
-
-def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,
-             rerun: bool) -> tuple[Plan, set[str]]:
-    """Samples of `truncation: escalate` partitions move to their `escalate_to` partition
-    (its max_tokens, a new fingerprint) when they were recorded truncated and `rerun` is
-    asked, or were already escalated by an earlier run. The rest stay as planned.
-    Also returns the ids escalated just now, whose new requests replace recorded ones."""
-    base = body_digest(base_body(job.model, job.sampling.model_dump()))
-    out = []
-    now: set[str] = set()
-    for s in plan.samples:
-        part = job.partitions[s.partition]
-        e = entries.get(s.id)
-        if part.escalate_to is None or e is None:
-            out.append(s)
-            continue
-        target = job.partitions[part.escalate_to]
-        fp = fingerprint(base, content_digest(s.messages, s.followups), target.max_tokens,
-                         s.seed)
-        if rerun and e.status == "done" and e.trunc and e.fp == s.fingerprint:
-            now.add(s.id)
-        moved = e.fp == fp or s.id in now
-        out.append(replace(s, partition=part.escalate_to, max_tokens=target.max_tokens,
-                           fingerprint=fp) if moved else s)
-    return replace(plan, samples=out), now
-
-
-def prefix_order(samples: list[Sample]) -> list[Sample]:
-    """Samples that open alike (system prompt, first 512 characters of the first user turn)
-    side by side, so a server's prefix cache hits; otherwise plan order is kept."""
-
-    def key(s: Sample) -> tuple[str, str]:
-        system = s.messages[0]["content"] if s.messages[0]["role"] == "system" else ""
-        first_user = next(m["content"] for m in s.messages if m["role"] == "user")
-        return system, first_user[:512]
-
-    return sorted(samples, key=key)
-
-
 def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[tuple[int, Any]]:
     """Graceful-stop handlers for the dispatch phase; returns what to restore after it."""
     installed: list[tuple[int, Any]] = []
@@ -568,4 +484,4 @@ async def run_job(job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) 
     return await Runner(job, opts, clock=clock).run()
 
 
-__all__ = ["RunOptions", "RunSummary", "Runner", "read_api_key", "run_job"]
+__all__ = ["RunOptions", "RunSummary", "Runner", "run_job"]
