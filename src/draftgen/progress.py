@@ -93,6 +93,10 @@ class ProgressView:
                 finally:
                     live.update(table(self._snapshot()))
         else:
-            while True:
-                await asyncio.sleep(self._interval_s)
+            try:
+                while True:
+                    await asyncio.sleep(self._interval_s)
+                    print(plain_line(self._snapshot()), file=self._stream, flush=True)
+            finally:
+                # The last line, so that a log always ends with the final figures.
                 print(plain_line(self._snapshot()), file=self._stream, flush=True)
