@@ -227,15 +227,14 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, list[dict[str,
 def capacity_from_metrics(labels: Mapping[str, list[dict[str, str]]],
                           ) -> tuple[int | None, int | None]:
     """(kv tokens, block size) from vLLM's `cache_config_info` labels."""
-    for name in ("vllm:cache_config_info",):
-        for lab in labels.get(name, []):
-            block = int(lab["block_size"]) if lab.get("block_size", "").isdigit() else None
-            kv = lab.get("kv_cache_size_tokens", "")
-            if kv.isdigit():
-                return int(kv), block
-            blocks = lab.get("num_gpu_blocks", "")
-            if blocks.isdigit() and block:
-                return int(blocks) * block, block
+    for lab in labels.get("vllm:cache_config_info", []):
+        block = int(lab["block_size"]) if lab.get("block_size", "").isdigit() else None
+        kv = lab.get("kv_cache_size_tokens", "")
+        if kv.isdigit():
+            return int(kv), block
+        blocks = lab.get("num_gpu_blocks", "")  # older vLLM: no kv_cache_size_tokens label
+        if blocks.isdigit() and block:
+            return int(blocks) * block, block
     return None, None
 
 
@@ -260,9 +259,13 @@ async def calibrate(url: str, model: str, *, concurrency_levels: Sequence[int] =
     2.5x slower on the local CPU engine).
     """
     base = url.rstrip("/")
+    # A fixed seed would make every calibration stream the same; vLLM-CPU also crashes on
+    # seeded requests whose prompts are prefilled in chunks.
     extra = {k: v for k, v in (sampling or {}).items()
              if k not in ("model", "messages", "max_tokens", "stream", "seed")}
-    async with aiohttp.ClientSession() as http, ChatClient(api_key=api_key) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(headers=headers) as http, \
+            ChatClient(api_key=api_key) as client:
         info = await server_info(http, base)
         levels = []
         for c in concurrency_levels:

@@ -21,14 +21,14 @@ def test_detached_run_with_an_embedded_server_stops_and_resumes(
     profile.write_text((REPO / "examples" / "profiles" / "local-cpu.yaml").read_text()
                        .replace("../../.cache/tiny-model", str(tiny_model_dir)))
     rows = [{"id": i, "messages": [{"role": "user", "content": f"Count to {i}."}]}
-            for i in range(150)]
+            for i in range(60)]
     (tmp_path / "p.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     job = tmp_path / "job.yaml"
     job.write_text(f"""
 model: tiny
 servers: [{{launch: {profile}}}]
 sampling: {{temperature: 0, extra_body: {{ignore_eos: true}}}}
-partitions: {{p: {{max_tokens: 96, concurrency: 4}}}}
+partitions: {{p: {{max_tokens: 512, concurrency: 2}}}}
 categories: [{{name: c, source: {{path: p.jsonl, id_field: id}}, partition: p}}]
 output: out
 progress_interval_s: 1
@@ -37,15 +37,15 @@ progress_interval_s: 1
     started = draftgen("run", str(job), "--detach")
     assert started.returncode == 0 and "started in the background" in started.stdout
 
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 400
     while True:
         st = orjson.loads(draftgen("status", str(out), "--json").stdout or b"{}") \
             if (out / "plan.jsonl").exists() else {}
-        if st.get("running") and st.get("done", 0) >= 10:
+        if st.get("running") and st.get("done", 0) >= 2:
             break
         assert time.monotonic() < deadline, (out / "run.log").read_text()
         time.sleep(1)
-    assert st["pid"] is not None and 0 < st["done"] < 150
+    assert st["pid"] is not None and 0 < st["done"] < 60
     human = " ".join(draftgen("status", str(out)).stdout.split())  # the title may wrap
     assert f"running (pid {st['pid']})" in human
 
@@ -62,7 +62,7 @@ progress_interval_s: 1
 
     final = draftgen("run", str(job))
     assert final.returncode == 0, final.stderr
-    assert "150/150 done, 0 failed" in final.stdout
+    assert "60/60 done, 0 failed" in final.stdout
     manifest = orjson.loads((out / "manifest.json").read_bytes())
     server = manifest["runs"][-1]["servers"][0]
     assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
