@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from pathlib import Path
@@ -157,6 +158,8 @@ def run(
     # Outside the dispatch phase (which stops gracefully), SIGTERM interrupts like Ctrl+C so
     # that a server launched for the run is stopped with it.
     signal.signal(signal.SIGTERM, _interrupt)
+    if os.environ.get("DRAFTGEN_DETACHED"):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started it
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
                       redo_changed=redo_changed, rerun_truncated=rerun_truncated,
                       progress=progress, grace_s=grace, metrics_port=metrics_port)

@@ -19,6 +19,7 @@ from draftgen.status import is_running, lock_pid
 
 LOG = "run.log"
 PID = "run.pid"
+DETACHED_ENV = "DRAFTGEN_DETACHED"
 
 
 def start_detached(args: Sequence[str], out_dir: Path) -> int:
@@ -28,8 +29,11 @@ def start_detached(args: Sequence[str], out_dir: Path) -> int:
         proc = subprocess.Popen(
             [sys.executable, "-m", "draftgen", "run", *args, "--out", str(out_dir)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            # Its own session: it outlives the terminal that started it.
-            start_new_session=True,
+            # Its own process group, but the same session: with the kernel's per-session
+            # CPU groups (sched_autogroup), a run in a session of its own starved commands
+            # of the user's session, `status` included, for over a minute. It ignores
+            # SIGHUP instead, to outlive the terminal.
+            process_group=0, env={**os.environ, DETACHED_ENV: "1"},
         )
     (out_dir / PID).write_text(f"{proc.pid}\n")
     return proc.pid

@@ -21,7 +21,7 @@ def test_detached_run_with_an_embedded_server_stops_and_resumes(
     profile.write_text((REPO / "examples" / "profiles" / "local-cpu.yaml").read_text()
                        .replace("../../.cache/tiny-model", str(tiny_model_dir)))
     rows = [{"id": i, "messages": [{"role": "user", "content": f"Count to {i}."}]}
-            for i in range(60)]
+            for i in range(120)]
     (tmp_path / "p.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     job = tmp_path / "job.yaml"
     job.write_text(f"""
@@ -45,7 +45,7 @@ progress_interval_s: 1
             break
         assert time.monotonic() < deadline, (out / "run.log").read_text()
         time.sleep(1)
-    assert st["pid"] is not None and 0 < st["done"] < 60
+    assert st["pid"] is not None and 0 < st["done"] < 120
     human = " ".join(draftgen("status", str(out)).stdout.split())  # the title may wrap
     assert f"running (pid {st['pid']})" in human
 
@@ -58,11 +58,11 @@ progress_interval_s: 1
     # The launched engine was stopped with the run: its pid file is gone, its state says so.
     [server_dir] = (out / "servers").iterdir()
     assert not (server_dir / "server.pid").exists()
-    assert orjson.loads((server_dir / "state.json").read_bytes())["state"] == "stopped"
+    assert orjson.loads((server_dir / "state.json").read_bytes())["status"] == "stopped"
 
     final = draftgen("run", str(job))
     assert final.returncode == 0, final.stderr
-    assert "60/60 done, 0 failed" in final.stdout
+    assert "120/120 done, 0 failed" in final.stdout
     manifest = orjson.loads((out / "manifest.json").read_bytes())
     server = manifest["runs"][-1]["servers"][0]
     assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
