@@ -267,7 +267,9 @@ def _servers_section(f: CardFacts, m: dict[str, Any]) -> list[str]:
         started = r.get("started_at")
         when = (f"{datetime.fromtimestamp(started, UTC):%Y-%m-%d %H:%M}"
                 if isinstance(started, (int, float)) else "?")
-        rows.append([i, when, r.get("duration_s", "?"), ", ".join(r.get("servers") or []),
+        rows.append([i, when, r.get("duration_s", "?"), ", ".join(
+            s.get("url", "?") if isinstance(s, dict) else str(s)
+            for s in r.get("servers") or []),
                      r.get("sent", "?"), r.get("done", "?"), r.get("failed", "?"),
                      r.get("stopped") or ""])
     if rows:
