@@ -122,11 +122,8 @@ def test_eta_is_absent_until_known() -> None:
 def test_server_load_in_the_snapshot_is_exported() -> None:
     import dataclasses
 
-    from draftgen import stats as stats_module
+    from draftgen.stats import ServerSnapshot as server_snapshot
 
-    server_snapshot = getattr(stats_module, "ServerSnapshot", None)
-    if server_snapshot is None:
-        pytest.skip("this Snapshot carries no per-server load (stats.ServerSnapshot)")
     snap = dataclasses.replace(snapshot(), servers=(
         server_snapshot(url="http://a", up=True, in_flight=3, capacity=8192, kv_usage=0.25,
                         running=2, waiting=1, target=5000.0),
