@@ -376,17 +376,19 @@ async def _measure_level(http: aiohttp.ClientSession, client: ChatClient, base: 
                          model: str, concurrency: int, max_tokens: int, seconds: float,
                          warmup_s: float, extra: Mapping[str, Any]) -> LevelResult:
     streamed = 0
-
-    def on_token() -> None:
-        nonlocal streamed
-        streamed += 1
-
     sent = 0
 
     async def worker() -> None:
         nonlocal sent
         while True:
             sent += 1
+            last = 0
+
+            def on_token(written: int) -> None:
+                nonlocal streamed, last
+                streamed += written - last
+                last = written
+
             # A different opening each time: prefix caching must not shrink the KV footprint.
             body = {"temperature": 1.0, **extra, "model": model, "max_tokens": max_tokens,
                     "ignore_eos": True,

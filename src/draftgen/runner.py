@@ -42,7 +42,7 @@ from draftgen.sample import (
     request_body,
 )
 from draftgen.schedule.adaptive import AdaptiveScheduler
-from draftgen.schedule.base import PartitionView, Scheduler
+from draftgen.schedule.base import Flight, PartitionView, Scheduler
 from draftgen.schedule.static import StaticScheduler
 from draftgen.serverpool import ServerPool, ServerState
 from draftgen.servers.attach import AttachedServers
@@ -373,20 +373,21 @@ class Runner:
             sample = queue.samples.popleft()
             queue.in_flight += 1
             self.pool.assign(server)
-            self.scheduler.started(sample, server)
+            flight = self.scheduler.started(sample, server)
             self.stats.started(sample.category)
-            task = tg.create_task(self._request(sample, server, queue, client, writer))
+            task = tg.create_task(self._request(flight, server, queue, client, writer))
             self._state.tasks.add(task)
             server.tasks.add(task)
             task.add_done_callback(self._state.tasks.discard)
             task.add_done_callback(server.tasks.discard)
 
-    async def _request(self, sample: Sample, server: ServerState, queue: _Queue,
+    async def _request(self, flight: Flight, server: ServerState, queue: _Queue,
                        client: ChatClient, writer: OutcomeWriter) -> None:
         assert self.pool is not None
+        sample = flight.sample
         outcome: Record | Failure | None = None
         try:
-            outcome = await self._generate(sample, server, client)
+            outcome = await self._generate(flight, server, client)
         except _Bounce as b:
             self.pool.mark_down(server, str(b.err))
         except asyncio.CancelledError:
@@ -411,8 +412,9 @@ class Runner:
         self.stats.finished(outcome)
         await writer.put(outcome)
 
-    async def _generate(self, sample: Sample, server: ServerState,
+    async def _generate(self, flight: Flight, server: ServerState,
                         client: ChatClient) -> Record | Failure:
+        sample = flight.sample
         messages = list(sample.messages)
         turns: list[Turn] = []
         attempts = 0
@@ -420,11 +422,13 @@ class Runner:
         pool = self.pool
         assert pool is not None
 
-        def on_token() -> None:
-            self.stats.token()
+        def on_token(written: int) -> None:
+            self.stats.token(written - flight.written)
+            flight.written = written
             pool.progress(server)
 
         async def send(body: dict[str, Any]) -> Any:
+            flight.written = 0  # a retry streams the answer again from its start
             try:
                 return await client.chat(server.url, body, on_token=on_token)
             except ServerDown as e:
@@ -454,6 +458,7 @@ class Runner:
             # A truncated reply ends the chain: the next user turn would answer a cut-off text.
             if not followups or done.finish_reason == "length":
                 break
+            flight.next_turn()
             messages.append({"role": "assistant", "content": done.content})
             messages.append({"role": "user", "content": followups.pop(0)})
         return Record(sample.id, sample.fingerprint, sample.category, sample.partition,

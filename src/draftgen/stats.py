@@ -121,9 +121,9 @@ class RunStats:
         self._cats[category].in_flight += 1
         self.sent += 1
 
-    def token(self) -> None:
-        self._streamed += 1
-        self._window.add(int(self._clock.monotonic()), 1)
+    def token(self, n: int = 1) -> None:
+        self._streamed += n
+        self._window.add(int(self._clock.monotonic()), n)
 
     def retried(self) -> None:
         self.retries += 1

@@ -6,6 +6,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
+import orjson
 import pytest
 from fakeserver import (
     DISCONNECT,
@@ -104,7 +105,7 @@ async def test_collects_reasoning_under_either_name(server: FakeServer, key: str
     assert result.completion_tokens == 0  # no usage chunk: nothing is guessed
 
 
-async def test_on_token_runs_once_per_chunk_with_text(server: FakeServer) -> None:
+async def test_on_token_counts_one_token_per_chunk_without_usage(server: FakeServer) -> None:
     steps = [
         chunk("", role="assistant"),
         chunk(reasoning="r"),
@@ -114,10 +115,29 @@ async def test_on_token_runs_once_per_chunk_with_text(server: FakeServer) -> Non
         DONE,
     ]
     server.script(Reply(steps=steps))
-    calls: list[None] = []
+    calls: list[int] = []
     async with ChatClient() as client:
-        await client.chat(server.url, BODY, on_token=lambda: calls.append(None))
-    assert len(calls) == 3
+        await client.chat(server.url, BODY, on_token=calls.append)
+    assert calls == [1, 2, 3]
+    options = server.seen[-1].body["stream_options"]
+    assert options == {"continuous_usage_stats": True, "include_usage": True}
+
+
+async def test_on_token_follows_the_usage_in_each_chunk(server: FakeServer) -> None:
+    # A server that fell behind its reader packs several tokens into one chunk; with
+    # continuous usage stats each chunk says how many the reply has so far.
+    def counted(text: str, n: int) -> bytes:
+        event = orjson.loads(chunk(text).removeprefix(b"data: "))
+        event["usage"] = {"prompt_tokens": 4, "completion_tokens": n, "total_tokens": 4 + n}
+        return b"data: " + orjson.dumps(event) + b"\n\n"
+
+    server.script(Reply(steps=[counted("a", 1), counted("bcd", 4), counted("e", 5),
+                               usage(4, 5), DONE]))
+    calls: list[int] = []
+    async with ChatClient() as client:
+        result = await client.chat(server.url, BODY, on_token=calls.append)
+    assert calls == [1, 4, 5]
+    assert result.completion_tokens == 5
 
 
 async def test_ttft_and_duration_come_from_the_injected_clock(server: FakeServer) -> None:

@@ -118,6 +118,8 @@ def test_env_sets_kv_space_and_offline_mode(tmp_path: Path) -> None:
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["TRANSFORMERS_OFFLINE"] == "1"
     assert env["VLLM_NO_USAGE_STATS"] == "1"
+    pinned = LocalEngine(tmp_path, extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"}).env()
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     with pytest.raises(ValueError):
         LocalEngine(tmp_path, kv_cache_gib=0)
 

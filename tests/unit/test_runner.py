@@ -219,3 +219,43 @@ async def test_a_server_outage_requeues_without_charging_retries(tmp_path: Path)
     assert any("down" in e for e in events) and any("up again" in e for e in events)
     # The first probe met the outage, the second found the server back.
     assert [last_user(s.body) for s in server.seen].count("ping") == 2
+
+
+async def test_work_moves_off_a_server_that_goes_down_and_back_when_it_returns(
+        tmp_path: Path) -> None:
+    """Two servers; one goes down mid-run: its work moves to the other, nothing is lost or
+    repeated, and once its probe succeeds it takes work again."""
+    state = {"b_answered": 0, "a_since_b_down": 0}
+
+    def slow_echo(body: dict[str, Any]) -> Reply:
+        reply = echo(body)
+        return Reply(steps=[0.1, *reply.steps])
+
+    def a(body: dict[str, Any]) -> Reply:
+        if state["b_answered"] >= 5:
+            state["a_since_b_down"] += 1
+        return slow_echo(body)
+
+    def b(body: dict[str, Any]) -> Reply:
+        if state["b_answered"] >= 5 and state["a_since_b_down"] < 15:
+            return Reply(status=503, body=b"restarting")
+        if last_user(body) != "ping":
+            state["b_answered"] += 1
+        return slow_echo(body)
+
+    # With b down, a alone takes ~2 s for the rest: b's first probe (after 1 s) finds it back.
+    job = load_job(make_job(tmp_path, rows(100), conc=4))
+    async with FakeServer(responder=a) as server_a, FakeServer(responder=b) as server_b:
+        opts = RunOptions(out_dir=tmp_path / "out", servers=[server_a.url, server_b.url],
+                          progress=False)
+        summary = await run_job(job, opts)
+    assert (summary.done, summary.failed) == (100, 0)
+    recs = [orjson.loads(x) for p in sorted((tmp_path / "out" / "shards").glob("*"))
+            for x in p.read_bytes().splitlines()]
+    assert sorted(r["id"] for r in recs) == sorted(f"chat-{i}" for i in range(100))
+    by_server = collections.Counter(r["server"] for r in recs)
+    assert by_server[server_a.url] > 15  # a took b's share while b was down
+    assert by_server[server_b.url] > 5  # b finished more after it came back
+    events = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())["runs"][-1]["events"]
+    assert any(server_b.url in e and "down" in e for e in events)
+    assert any(server_b.url in e and "up again" in e for e in events)

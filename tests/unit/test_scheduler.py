@@ -5,9 +5,13 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
+import pytest
+
 from draftgen.sample import Sample
+from draftgen.schedule import adaptive, lengths
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import PartitionView, Scheduler
+from draftgen.schedule.lengths import Lengths
 from draftgen.schedule.load import ServerLoad
 from draftgen.schedule.static import StaticScheduler
 from draftgen.serverpool import ServerState
@@ -27,6 +31,13 @@ def load(url: str, *, capacity: int | None = 1000, waiting: int = 0, preempt: in
                       engine_steps_total=None, source="test", missing=())
 
 
+def learn(sched: Scheduler, output_tokens: list[int], cat: str = "c") -> None:
+    """Finished answers of these lengths, as if earlier requests had ended."""
+    server = ServerState("elsewhere")
+    for i, n in enumerate(output_tokens):
+        sched.ended(sample(10_000 + i, cat=cat), server, n)
+
+
 class Queues:
     """A minimal stand-in for the runner's queues, driving a scheduler to a fixed point."""
 
@@ -37,8 +48,9 @@ class Queues:
         self.flight: dict[str, list[tuple[Sample, ServerState]]] = {k: [] for k in parts}
 
     def views(self) -> list[PartitionView]:
-        return [PartitionView(k, self.conc[k], 400, len(q), q[0] if q else None,
-                              len(self.flight[k])) for k, q in self.q.items()]
+        return [PartitionView(k, self.conc[k], q[0].max_tokens if q else 400, len(q),
+                              q[0] if q else None, len(self.flight[k]))
+                for k, q in self.q.items()]
 
     def fill(self, servers: list[ServerState]) -> list[tuple[str, str]]:
         admitted = []
@@ -57,6 +69,8 @@ class Queues:
         self.sched.ended(s, server, output_tokens)
 
 
+# --- static -------------------------------------------------------------------------
+
 def test_static_respects_each_partitions_concurrency_and_round_robins() -> None:
     q = Queues(StaticScheduler(), {"short": (3, [sample(i) for i in range(10)]),
                                    "long": (1, [sample(i, "long") for i in range(5)])})
@@ -74,18 +88,93 @@ def test_static_respects_each_partitions_concurrency_and_round_robins() -> None:
     assert q.fill([a, b]) == []
 
 
-def test_adaptive_admits_by_expected_footprint_against_capacity() -> None:
+# --- output lengths -----------------------------------------------------------------
+
+def test_lengths_survival_follows_the_answers_seen() -> None:
+    ls = Lengths()
+    for n in range(1, 101):
+        ls.add("c", n)
+    assert ls.mean("c", 1000) == pytest.approx(50.5)
+    assert ls.mean("c", 40) == 40.0  # never more than max_tokens
+    # Of the answers longer than 50, half are longer than 75; none reach max_tokens 90.
+    assert ls.still_running("c", 1000, 50, [0, 25, 50]) == [1.0, 0.5, 0.0]
+    assert ls.still_running("c", 90, 50, [25, 40]) == [0.5, 0.0]
+    # Longer than every answer seen: expected to run on to max_tokens.
+    assert ls.still_running("c", 1000, 150, [0, 849, 850]) == [1.0, 1.0, 0.0]
+
+
+def test_lengths_fall_back_from_category_to_all_to_prior_to_max_tokens() -> None:
+    ls = Lengths()
+    assert ls.mean("new", 400) == 200.0  # nothing known: half of max_tokens for planning
+    # ...but for the projection a request is assumed to run to max_tokens.
+    assert ls.still_running("new", 400, 0, [0, 399, 400]) == [1.0, 1.0, 0.0]
+    ls.learn_prior("new", 10, 1000)  # earlier runs: 100 tokens on average
+    assert ls.mean("new", 400) == 100.0
+    assert ls.still_running("new", 400, 0, [0, 99, 100]) == [1.0, 1.0, 0.0]
+    assert ls.still_running("new", 400, 150, [0, 249, 250]) == [1.0, 1.0, 0.0]  # past it
+    for _ in range(lengths.MIN_SAMPLES):
+        ls.add("other", 30)
+    assert ls.mean("new", 400) == 30.0  # every category's answers beat a prior
+    for _ in range(lengths.MIN_SAMPLES):
+        ls.add("new", 60)
+    assert ls.mean("new", 400) == 60.0  # and its own beat everyone's
+
+
+def test_lengths_keep_only_recent_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lengths, "KEEP", 20)
+    ls = Lengths()
+    for n in [10] * 20 + [100] * 20:
+        ls.add("c", n)
+    assert ls.mean("c", 1000) == 100.0
+    assert ls.still_running("c", 1000, 0, [99, 100]) == [1.0, 0.0]
+
+
+# --- adaptive admission ---------------------------------------------------------------
+
+def test_adaptive_admits_while_the_projected_kv_use_fits_the_capacity() -> None:
     sched = AdaptiveScheduler()
     server = ServerState("a")
     sched.on_load(server, load("a", capacity=1000))
-    q = Queues(sched, {"short": (150, [sample(i) for i in range(20)])})
-    # Prior: half of max_tokens (200) + 100 prompt = 300 tokens each; 3 fit in 1,000.
-    assert len(q.fill([server])) == 3
-    # Answers turn out short (50 tokens): footprints shrink to 150 and more fit.
-    for _ in range(3):
-        q.finish("short", 50)
-    assert len(q.fill([server])) == 6
+    q = Queues(sched, {"short": (150, [sample(i) for i in range(40)])})
+    # Nothing learned yet: each request may run to max_tokens, holding up to
+    # 100 + 375 tokens at the last look-ahead point before 400; two fit in 1,000.
+    assert len(q.fill([server])) == 2
+    q.finish("short", 50)
+    q.finish("short", 50)
+    learn(sched, [50] * (lengths.MIN_SAMPLES - 2))
+    # Every answer ends at 50 tokens: a request holds at most 100 + 25 at the points
+    # before it ends, so eight fit at once.
+    assert len(q.fill([server])) == 8
     assert sched.targets() == {"a": 1000.0}
+
+
+def test_a_request_that_has_written_more_is_expected_to_hold_more() -> None:
+    sched = AdaptiveScheduler()
+    server = ServerState("a")
+    sched.on_load(server, load("a", capacity=1000))
+    learn(sched, [20] * 8 + [400] * 8)  # half the answers end at once, half run long
+    q = Queues(sched, {"short": (150, [sample(i, prompt=10) for i in range(40)])})
+    # Fresh, a request is still running at 375 tokens with chance 1/2: 385 / 2 tokens.
+    assert len(q.fill([server])) == 5
+    # Past 20 tokens, every one is a long answer: each now expects to hold 390.
+    for f in sched.books.flights.values():
+        f.written = 30
+    sched.on_load(server, load("a", capacity=1000))
+    assert max(sched._projection("a")) == pytest.approx(5 * 390)
+    assert q.fill([server]) == []
+
+
+def test_footprints_round_up_to_the_servers_kv_blocks() -> None:
+    sched = AdaptiveScheduler()
+    server = ServerState("a")
+    reading = load("a", capacity=1024)
+    sched.on_load(server, dataclasses.replace(reading, kv_block_tokens=128))
+    learn(sched, [100] * lengths.MIN_SAMPLES)
+    q = Queues(sched, {"short": (150, [sample(i, prompt=50, max_tokens=200)
+                                       for i in range(20)])})
+    # 50 prompt + up to 87.5 written before the answer ends at 100: 137.5 tokens, held as
+    # two 128-token blocks. Four fit in 1,024, not seven.
+    assert len(q.fill([server])) == 4
 
 
 def test_unknown_capacity_falls_back_to_partition_concurrency() -> None:
@@ -101,47 +190,15 @@ def test_a_single_request_larger_than_the_target_still_runs_on_an_idle_server() 
     assert len(q.fill([server])) == 1
 
 
-def test_feedback_backs_off_on_preemptions_and_queue_growth_and_pushes_up_when_dry() -> None:
-    logs: list[str] = []
-    sched = AdaptiveScheduler(log=logs.append)
-    server = ServerState("a")
-    sched.on_load(server, load("a", capacity=1000, preempt=0))
-    q = Queues(sched, {"short": (150, [sample(i) for i in range(50)])})
-    q.fill([server])  # the budget is full now
-    sched.on_load(server, load("a", preempt=3))
-    assert sched.targets()["a"] == 800.0
-    assert "3 preemption(s)" in logs[-1]
-    sched.on_load(server, load("a", preempt=5))  # the same burst: no second back-off
-    assert sched.targets()["a"] == 800.0
-    sched.on_load(server, load("a", preempt=5, waiting=5))
-    sched.on_load(server, load("a", preempt=5, waiting=9))
-    assert sched.targets()["a"] < 800.0 and "queue growing" in logs[-1]
-    before = sched.targets()["a"]
-    # Dry queue and spare KV, but only after a few calm readings does the target rise.
-    for _ in range(4):
-        sched.on_load(server, load("a", preempt=5, waiting=0, usage=0.6))
-        assert sched.targets()["a"] == before
-    sched.on_load(server, load("a", preempt=5, waiting=0, usage=0.6))
-    assert sched.targets()["a"] > before and "queue dry" in logs[-1]
-
-
-def test_no_push_up_while_the_client_does_not_use_its_budget() -> None:
-    sched = AdaptiveScheduler()
-    server = ServerState("a")
-    sched.on_load(server, load("a", capacity=1000))
-    sched.on_load(server, load("a", capacity=1000, waiting=0, usage=0.1))
-    assert sched.targets()["a"] == 1000.0
-
-
 def test_long_requests_keep_flowing_beside_short_ones() -> None:
     sched = AdaptiveScheduler()
     server = ServerState("a")
-    sched.on_load(server, load("a", capacity=10_000))
+    sched.on_load(server, load("a", capacity=20_000))
     q = Queues(sched, {"short": (150, [sample(i, max_tokens=200) for i in range(300)]),
                        "long": (32, [sample(i, "long", max_tokens=2000) for i in range(30)])})
     admitted = [n for n, _ in q.fill([server])]
-    # Remaining work is ~9,000 short vs ~33,000 long tokens: long is not left for the end.
-    assert admitted.count("long") >= 3
+    # Remaining work is ~60,000 short vs ~33,000 long tokens: long is not left for the end.
+    assert admitted.count("long") >= 2
     assert admitted.count("short") >= 10
 
 
@@ -150,21 +207,109 @@ def test_work_goes_to_the_server_with_the_most_free_expected_capacity() -> None:
     big, small = ServerState("big"), ServerState("small")
     sched.on_load(big, load("big", capacity=3000))
     sched.on_load(small, load("small", capacity=1000))
+    learn(sched, [100] * lengths.MIN_SAMPLES)
     q = Queues(sched, {"short": (150, [sample(i) for i in range(40)])})
+    # 100 + 75 tokens each at most (the last look-ahead point before the answers end):
+    # 17 fit on the big server, 5 on the small one.
     admitted = [url for _, url in q.fill([big, small])]
-    assert admitted.count("big") == 10 and admitted.count("small") == 3
-    small.down_since = 1.0
-    for _ in range(2):
-        q.finish("short", 200)
+    assert admitted.count("big") == 17 and admitted.count("small") == 5
+    small.down_since = 1.0  # a server that goes down takes no new work
+    for _ in range(4):
+        q.finish("short", 100)
     assert all(url == "big" for _, url in q.fill([big, small]))
 
 
-def test_footprints_round_up_to_the_servers_kv_blocks() -> None:
+# --- feedback -----------------------------------------------------------------------
+
+def full(capacity: int = 1000) -> tuple[AdaptiveScheduler, ServerState, list[str]]:
+    """An adaptive scheduler whose one server is filled to its target."""
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append)
+    server = ServerState("a")
+    sched.on_load(server, load("a", capacity=capacity))
+    Queues(sched, {"short": (150, [sample(i) for i in range(50)])}).fill([server])
+    return sched, server, logs
+
+
+def test_backs_off_when_preemptions_outrun_the_requests_finished() -> None:
+    sched, server, logs = full()
+    slack = adaptive.PREEMPT_SLACK
+    sched.on_load(server, load("a", preempt=slack, waiting=1))  # a few are tolerated
+    assert sched.targets()["a"] == 1000.0
+    sched.on_load(server, load("a", preempt=slack + 1, waiting=1))
+    target = 1000.0 * adaptive.BACK_OFF_PREEMPT
+    assert sched.targets()["a"] == pytest.approx(target)
+    assert f"{slack + 1} preemption(s)" in logs[-1]
+    # What was admitted before the back-off still has to settle: no second one at once.
+    total = 2 * slack + 2
+    for _ in range(adaptive.SETTLE):
+        sched.on_load(server, load("a", preempt=total, waiting=1))
+        assert sched.targets()["a"] == pytest.approx(target)
+    sched.on_load(server, load("a", preempt=total, waiting=1))
+    assert sched.targets()["a"] == pytest.approx(target * adaptive.BACK_OFF_PREEMPT)
+
+
+def test_preemptions_in_proportion_to_finished_requests_are_tolerated() -> None:
+    sched, server, _ = full()
+    for i in range(40):
+        sched.ended(sample(i), server, 50)
+    allowed = int(adaptive.PREEMPT_OK * 40 + adaptive.PREEMPT_SLACK)
+    sched.on_load(server, load("a", preempt=allowed, waiting=1))
+    assert sched.targets()["a"] == 1000.0
+    sched.on_load(server, load("a", preempt=allowed + 2, waiting=1))
+    assert sched.targets()["a"] < 1000.0
+
+
+def test_backs_off_when_the_server_queue_grows() -> None:
+    sched, server, logs = full()
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK))  # a short queue is fine
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1))
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.BACK_OFF_QUEUE)
+    assert "queue growing" in logs[-1]
+    # Requests preempted back into the queue are judged as preemptions, not queue growth.
+    before = sched.targets()["a"]
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 3, preempt=1))
+    assert sched.targets()["a"] == before
+
+
+def test_pushes_up_when_calm_learned_at_target_and_the_server_has_room() -> None:
+    sched, server, logs = full()
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK))
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1))  # a back-off
+    before = sched.targets()["a"]
+    # Readings alone do not raise it: the projection still stands on the cautious prior.
+    for _ in range(adaptive.COOL_DOWN + 1):
+        sched.on_load(server, load("a", waiting=0, usage=0.6))
+    assert sched.targets()["a"] == before
+    learn(sched, [400] * lengths.MIN_SAMPLES)  # answers run long: still at target
+    sched.on_load(server, load("a", waiting=0, usage=0.6))
+    assert sched.targets()["a"] == before  # nothing finished here since the last change
+    for i in range(adaptive.PUSH_EVIDENCE):
+        sched.ended(sample(100 + i), server, 400)
+    sched.on_load(server, load("a", waiting=0, usage=0.6))
+    assert sched.targets()["a"] == pytest.approx(before * adaptive.PUSH_UP)
+    assert "server queue 0" in logs[-1]
+    # A queue at the server and a full cache: it has all it can take.
+    for i in range(adaptive.PUSH_EVIDENCE):
+        sched.ended(sample(200 + i), server, 400)
+    for _ in range(adaptive.COOL_DOWN + 1):
+        sched.on_load(server, load("a", waiting=1, usage=1.0))
+    assert sched.targets()["a"] == pytest.approx(before * adaptive.PUSH_UP)
+    # A queue, but KV usage below target (requests still in prefill): room to grow.
+    sched.on_load(server, load("a", waiting=1, usage=0.5))
+    assert sched.targets()["a"] == pytest.approx(before * adaptive.PUSH_UP ** 2)
+
+
+def test_no_push_up_while_the_client_does_not_use_its_budget() -> None:
     sched = AdaptiveScheduler()
     server = ServerState("a")
-    reading = load("a", capacity=1024)
-    sched.on_load(server, dataclasses.replace(reading, kv_block_tokens=128))
-    q = Queues(sched, {"short": (150, [sample(i, prompt=50, max_tokens=200)
-                                       for i in range(20)])})
-    # 50 prompt + 100 expected = 150 tokens, held as two 128-token blocks: 4 fit, not 6.
-    assert len(q.fill([server])) == 4
+    for _ in range(adaptive.COOL_DOWN + 2):
+        sched.on_load(server, load("a", capacity=1000, waiting=0, usage=0.1))
+    assert sched.targets()["a"] == 1000.0
+
+
+def test_the_target_stays_within_its_bounds() -> None:
+    sched, server, _ = full()
+    for i in range(200):
+        sched.on_load(server, load("a", preempt=100 * (i + 1)))
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.FACTOR_MIN)

@@ -119,17 +119,22 @@ class ChatClient:
         server_url: str,
         body: dict[str, Any],
         *,
-        on_token: Callable[[], None] | None = None,
+        on_token: Callable[[int], None] | None = None,
     ) -> Completion:
         """Stream one chat completion from `server_url` (scheme, host, port).
 
-        `on_token()` runs for every chunk that carries text; it must be cheap.
+        `on_token(n)` runs for every chunk that carries text, with the number of tokens the
+        reply has so far; it must be cheap. The count comes from the usage that vLLM and
+        SGLang put in every chunk when asked (`continuous_usage_stats`): a server that falls
+        behind its readers packs several tokens into one chunk. A server that sends no
+        usage per chunk is counted one token per chunk.
         """
         session = self._session
         if session is None:
             raise RuntimeError("use ChatClient inside `async with`")
         url = _chat_url(server_url)
-        stream_options = {**(body.get("stream_options") or {}), "include_usage": True}
+        stream_options = {"continuous_usage_stats": True,
+                          **(body.get("stream_options") or {}), "include_usage": True}
         data = orjson.dumps({**body, "stream": True, "stream_options": stream_options})
         clock = self._clock
         started = clock.monotonic()
@@ -172,14 +177,14 @@ class ChatClient:
         self,
         response: aiohttp.ClientResponse,
         started: float,
-        on_token: Callable[[], None] | None,
+        on_token: Callable[[int], None] | None,
     ) -> Completion:
         clock = self._clock
         loads = orjson.loads
         content_parts: list[str] = []
         reasoning_parts: list[str] = []
         finish_reason: str | None = None
-        prompt_tokens = completion_tokens = 0
+        prompt_tokens = completion_tokens = written = 0
         ttft_s: float | None = None
         done = False
         decoder = SSEDecoder()
@@ -193,6 +198,10 @@ class ChatClient:
                     break
                 try:
                     event = loads(payload)
+                    usage = event.get("usage")
+                    if usage:
+                        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                        completion_tokens = int(usage.get("completion_tokens") or 0)
                     choices = event.get("choices")
                     if choices:
                         choice = choices[0]
@@ -207,8 +216,9 @@ class ChatClient:
                             if text or thought:
                                 if ttft_s is None:
                                     ttft_s = clock.monotonic() - started
+                                written = completion_tokens if usage else written + 1
                                 if on_token is not None:
-                                    on_token()
+                                    on_token(written)
                         reason = choice.get("finish_reason")
                         if reason:
                             finish_reason = reason
@@ -216,10 +226,6 @@ class ChatClient:
                         server_error = error_object(event)
                         if server_error is not None:
                             raise classify_stream_error(server_error, secret=self._api_key)
-                    usage = event.get("usage")
-                    if usage:
-                        prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                        completion_tokens = int(usage.get("completion_tokens") or 0)
                 except _MALFORMED as err:
                     raise Transient(f"malformed stream chunk: {_snippet(payload)}") from err
             if not raw:

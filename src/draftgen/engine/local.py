@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -60,6 +60,7 @@ class LocalEngine:
         log_path: Path | None = None,
         python: str = sys.executable,
         extra_args: Sequence[str] = (),
+        extra_env: Mapping[str, str] | None = None,
     ) -> None:
         if kv_cache_gib < 1:
             raise ValueError("kv_cache_gib must be a whole number of GiB, at least 1")
@@ -72,6 +73,7 @@ class LocalEngine:
         self.log_path = log_path
         self.python = python
         self.extra_args = tuple(extra_args)
+        self.extra_env = dict(extra_env or {})
         self.url = f"http://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -113,6 +115,7 @@ class LocalEngine:
             TRANSFORMERS_OFFLINE="1",
             VLLM_NO_USAGE_STATS="1",
         )
+        env.update(self.extra_env)
         return env
 
     def start(self, timeout_s: float = 180) -> None:

@@ -1,16 +1,26 @@
-"""Capacity-aware admission: keep the expected KV footprint in flight just under capacity.
+"""Capacity-aware admission: keep the KV cache full, but not over-full, at every moment ahead.
 
-Each request is expected to hold `prompt + expected output` KV tokens at its end, with the
-expected output learned online per category from finished samples. A server takes a new
-request while the sum over its in-flight requests stays under its target, `factor ×
-capacity`. The factor corrects itself from what the server reports (`ServerLoad`): it backs
-off on preemptions/retractions or a growing server queue, and pushes up while the client is
-the limit (its budget is full) yet the server's queue is dry and KV usage is below target.
-A short queue at the server is welcome: it refills a slot the moment one frees.
+A server takes a new request while the KV tokens that everything in flight on it is
+expected to hold stay under its target (`factor × capacity`) at every point of a look-ahead
+over the longest max_tokens. A request's expected holding `h` tokens from now is its size
+then (prompt + what it has written so far, as counted from the stream, + h, rounded up to
+whole KV blocks) times the chance it is still running then, from the output lengths learned
+so far (`Lengths`). So a fresh request counts for little now and more later, one near its
+likely end counts for what it holds now and soon nothing, and the sum is the KV use the
+server will see if nothing new is sent: admitting while its peak fits fills the cache
+without over-filling it, whatever the shape of the length distribution.
 
-Partitions compete for the budget by deficit: the one whose share of in-flight tokens lags
-its share of remaining work goes first, so long requests start all along the run instead of
-piling up into a long tail at the end.
+The factor corrects what the model gets wrong, from what the server reports (`ServerLoad`):
+it backs off when preemptions/retractions outrun a small share of the requests finished
+(an occasional one is the price of a full cache: it recomputes a prompt, while an idle
+slot loses whole decode steps) or when the server queue grows, and pushes up while the
+client is the limit (the projection is at its target) yet the server's queue is dry and its
+KV usage below target. A short queue at the server is welcome: it refills a slot the moment
+one frees.
+
+Partitions compete by deficit: the one whose share of in-flight tokens lags its share of
+remaining work goes first, so long requests start all along the run instead of piling up
+into a long tail at the end.
 """
 
 from __future__ import annotations
@@ -19,20 +29,31 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from draftgen.sample import Sample
-from draftgen.schedule.base import PartitionView, Scheduler
+from draftgen.schedule.base import Flight, PartitionView, Scheduler
 from draftgen.schedule.load import ServerLoad
 from draftgen.serverpool import ServerState
 
 FACTOR_MIN = 0.25
-FACTOR_MAX = 8.0
-BACK_OFF_PREEMPT = 0.8
+FACTOR_MAX = 2.0
+BACK_OFF_PREEMPT = 0.9
 BACK_OFF_QUEUE = 0.95
 PUSH_UP = 1.05
-KV_TARGET = 0.85
+KV_TARGET = 0.95
+# Preemptions tolerated per request finished since the last change of target (plus a few
+# for small counts) before backing off.
+PREEMPT_OK = 1.0
+PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
+# Requests finished under the current target before it may rise: what a change does shows
+# only once the requests in flight have turned over.
+PUSH_EVIDENCE = 4
 # Readings after a back-off before the target may rise again: a preemption burst shows
 # over several readings, and pushing straight back up would oscillate.
 COOL_DOWN = 5
+# Readings after a back-off before preemptions count again: what was admitted before it
+# still has to finish, so the next reading often shows the same excess.
+SETTLE = 2
+STEPS = 16  # look-ahead points over the longest max_tokens
 
 
 @dataclass(slots=True)
@@ -45,6 +66,9 @@ class _ServerControl:
     running: int | None = None
     block: int = 1  # KV allocation granularity in tokens
     calm: int = COOL_DOWN  # readings since the last back-off
+    preempted: int = 0  # since the last change of target
+    finished: int = 0  # since the last change of target
+    projection: list[float] | None = None  # expected KV use ahead; None: to recompute
 
     @property
     def target(self) -> float | None:
@@ -60,6 +84,9 @@ class AdaptiveScheduler(Scheduler):
         self._control: dict[str, _ServerControl] = {}
         self._initial_factor = initial_factor
         self._partition_tokens: dict[str, float] = {}
+        self._ahead: list[float] = [0.0]
+        self._span = 0
+        self._candidate: tuple[str, str, list[float]] | None = None  # (sample, url, curve)
 
     def control(self, url: str) -> _ServerControl:
         c = self._control.get(url)
@@ -67,28 +94,69 @@ class AdaptiveScheduler(Scheduler):
             c = self._control[url] = _ServerControl(factor=self._initial_factor)
         return c
 
-    def footprint_on(self, sample: Sample, url: str) -> float:
-        """The footprint in whole KV blocks of that server: a 130-token answer holds two
-        128-token blocks, which for short answers nearly doubles what it occupies."""
-        block = self.control(url).block
-        return -(-self.footprint(sample) // block) * block
+    # --- the projection -------------------------------------------------------------
 
-    def started(self, sample: Sample, server: ServerState) -> None:
-        size = self.footprint_on(sample, server.url)
-        self.books.footprints[sample.id] = size
-        self.books.in_flight_tokens[server.url] = (
-            self.books.in_flight_tokens.get(server.url, 0.0) + size)
+    def _look_ahead(self, max_tokens: int) -> None:
+        """Stretch the look-ahead to cover `max_tokens`; old projections are then stale."""
+        if max_tokens > self._span:
+            self._span = max_tokens
+            self._ahead = [max_tokens * k / STEPS for k in range(STEPS + 1)]
+            for c in self._control.values():
+                c.projection = None
+
+    def _curve(self, sample: Sample, written: int, earlier: int, block: int) -> list[float]:
+        """Expected KV tokens held by one request at each look-ahead point."""
+        alive = self.books.lengths.still_running(sample.category, sample.max_tokens, written,
+                                                 self._ahead)
+        base = sample.prompt_tokens + earlier + written
+        return [-(-(base + h) // block) * block * p if p else 0.0
+                for h, p in zip(self._ahead, alive, strict=True)]
+
+    def _projection(self, url: str) -> list[float]:
+        c = self.control(url)
+        if c.projection is None:
+            total = [0.0] * len(self._ahead)
+            for f in self.books.flights.values():
+                if f.url == url:
+                    for i, x in enumerate(self._curve(f.sample, f.written, f.earlier,
+                                                      c.block)):
+                        total[i] += x
+            c.projection = total
+        return c.projection
+
+    # --- bookkeeping ----------------------------------------------------------------
+
+    def started(self, sample: Sample, server: ServerState) -> Flight:
+        self._look_ahead(sample.max_tokens)
+        flight = super().started(sample, server)
         self._partition_tokens[sample.partition] = (
-            self._partition_tokens.get(sample.partition, 0.0) + size)
+            self._partition_tokens.get(sample.partition, 0.0) + flight.size)
+        c = self.control(server.url)
+        if c.projection is not None:
+            cand = self._candidate
+            curve = (cand[2] if cand is not None and cand[:2] == (sample.id, server.url)
+                     else self._curve(sample, 0, 0, c.block))
+            c.projection = [a + b for a, b in zip(c.projection, curve, strict=True)]
+        self._candidate = None
+        return flight
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
-        size = self.books.footprints.get(sample.id, 0.0)
-        self._partition_tokens[sample.partition] = max(
-            0.0, self._partition_tokens.get(sample.partition, 0.0) - size)
+        flight = self.books.flights.get(sample.id)
+        if flight is not None:
+            self._partition_tokens[sample.partition] = max(
+                0.0, self._partition_tokens.get(sample.partition, 0.0) - flight.size)
         super().ended(sample, server, output_tokens)
+        if output_tokens is not None:
+            self.control(server.url).finished += 1
+        # Fewer requests, and the lengths learned have changed: recompute on the next pick.
+        for c in self._control.values():
+            c.projection = None
+
+    # --- feedback -------------------------------------------------------------------
 
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
         c = self.control(server.url)
+        c.projection = None  # requests have written more since the last one
         if load.kv_block_tokens:
             c.block = load.kv_block_tokens
         if load.kv_capacity_tokens and load.kv_capacity_tokens != c.capacity:
@@ -99,29 +167,33 @@ class AdaptiveScheduler(Scheduler):
             if c.preemptions is not None:
                 new_preempt = max(0, load.preemptions_total - c.preemptions)
             c.preemptions = load.preemptions_total
-        growing = (load.waiting is not None and c.waiting is not None
+        c.preempted += new_preempt
+        # Preempted requests wait at the server too; that growth is judged as preemptions.
+        growing = (load.waiting is not None and c.waiting is not None and not new_preempt
                    and load.waiting > QUEUE_OK and load.waiting > c.waiting)
         c.waiting, c.kv_usage, c.running = load.waiting, load.kv_usage, load.running
         if c.capacity is None:
             return
         target = c.capacity * c.factor
-        budget_full = self.books.in_flight_tokens.get(server.url, 0.0) >= 0.9 * target
+        at_target = max(self._projection(server.url)) >= 0.9 * target
         c.calm += 1
-        if new_preempt:
-            # One back-off per burst: the readings right after it still show the same burst.
-            if c.calm > 1:
+        if c.preempted > PREEMPT_OK * c.finished + PREEMPT_SLACK:
+            if c.calm > SETTLE:
                 self._set(server.url, c, c.factor * BACK_OFF_PREEMPT,
-                          f"{new_preempt} preemption(s)/retraction(s) since the last reading")
-            c.calm = 0
+                          f"{c.preempted} preemption(s)/retraction(s) for {c.finished} "
+                          "request(s) finished")
+                c.calm = 0
         elif growing:
             self._set(server.url, c, c.factor * BACK_OFF_QUEUE,
                       f"server queue growing: {load.waiting} waiting")
             c.calm = 0
-        elif (c.calm >= COOL_DOWN and budget_full and (load.waiting or 0) == 0
-              and (load.kv_usage is None or load.kv_usage < KV_TARGET)):
+        elif (c.calm >= COOL_DOWN and at_target and c.finished >= PUSH_EVIDENCE
+              and self.books.lengths.learned
+              and ((load.waiting or 0) == 0
+                   or (load.kv_usage is not None and load.kv_usage < KV_TARGET))):
             usage = "unknown" if load.kv_usage is None else f"{load.kv_usage:.0%}"
             self._set(server.url, c, c.factor * PUSH_UP,
-                      f"budget full but server queue dry and KV usage {usage} < {KV_TARGET:.0%}")
+                      f"at target, server queue {load.waiting or 0}, KV usage {usage}")
 
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:
         factor = min(FACTOR_MAX, max(FACTOR_MIN, factor))
@@ -129,15 +201,18 @@ class AdaptiveScheduler(Scheduler):
             return
         before = c.target
         c.factor = factor
+        c.preempted = c.finished = 0
         assert before is not None and c.target is not None
         self._log(f"{url}: target {before:,.0f} → {c.target:,.0f} KV tokens "
                   f"(×{factor:.2f} of capacity): {reason}")
+
+    # --- admission ------------------------------------------------------------------
 
     def _free(self, server: ServerState) -> float:
         target = self.control(server.url).target
         if target is None:
             return float("inf")  # no capacity known: partition concurrency alone limits
-        return target - self.books.in_flight_tokens.get(server.url, 0.0)
+        return target - max(self._projection(server.url))
 
     def pick(self, partitions: Sequence[PartitionView],
              servers: Sequence[ServerState]) -> tuple[str, ServerState] | None:
@@ -145,10 +220,20 @@ class AdaptiveScheduler(Scheduler):
         ready = [p for p in partitions if p.head is not None and p.in_flight < p.concurrency]
         if not ups or not ready:
             return None
-        server = max(ups, key=self._free)
+        for p in ready:
+            self._look_ahead(p.max_tokens)
+        # Most free expected capacity; where it is unknown, fewest requests in flight.
+        server = max(ups, key=lambda s: (self._free(s), -s.in_flight))
         part = max(ready, key=self._deficit(ready))
-        assert part.head is not None
-        if self._free(server) >= self.footprint_on(part.head, server.url) or not server.in_flight:
+        head = part.head
+        assert head is not None
+        c = self.control(server.url)
+        if c.target is None or not server.in_flight:
+            return part.name, server
+        curve = self._curve(head, 0, 0, c.block)
+        peak = max(a + b for a, b in zip(self._projection(server.url), curve, strict=True))
+        if peak <= c.target:
+            self._candidate = (head.id, server.url, curve)
             return part.name, server
         return None
 
@@ -165,9 +250,3 @@ class AdaptiveScheduler(Scheduler):
 
     def targets(self) -> Mapping[str, float]:
         return {url: c.target for url, c in self._control.items() if c.target is not None}
-
-    def server_view(self, url: str) -> dict[str, float | int | None]:
-        c = self.control(url)
-        return {"capacity": c.capacity, "target": c.target, "kv_usage": c.kv_usage,
-                "running": c.running, "waiting": c.waiting,
-                "in_flight_tokens": self.books.in_flight_tokens.get(url, 0.0)}

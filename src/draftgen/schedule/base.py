@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from draftgen.sample import Sample
+from draftgen.schedule.lengths import Lengths
 from draftgen.schedule.load import ServerLoad
 from draftgen.serverpool import ServerState
 
@@ -28,28 +29,29 @@ class PartitionView:
     in_flight: int = 0
 
 
-@dataclass(slots=True)
-class _Mean:
-    n: int = 0
-    total: float = 0.0
+@dataclass(slots=True, eq=False)
+class Flight:
+    """One request in flight: where it went, and how many tokens it has written so far
+    (the runner counts them as they stream in)."""
 
-    def add(self, x: float) -> None:
-        self.n += 1
-        self.total += x
+    sample: Sample
+    url: str
+    size: float  # the footprint it was admitted with
+    written: int = 0  # tokens of the answer being written
+    earlier: int = 0  # tokens of earlier turns' answers (multi-turn), now part of the prompt
 
-    @property
-    def value(self) -> float | None:
-        return self.total / self.n if self.n else None
+    def next_turn(self) -> None:
+        self.earlier += self.written
+        self.written = 0
 
 
 @dataclass(slots=True)
 class Books:
-    """Expected KV tokens in flight per server, and learned output lengths."""
+    """What is in flight where, and the output lengths learned so far."""
 
-    in_flight_tokens: dict[str, float] = field(default_factory=dict)
-    output_means: dict[str, _Mean] = field(default_factory=dict)
-    overall: _Mean = field(default_factory=_Mean)
-    footprints: dict[str, float] = field(default_factory=dict)  # sample id → admitted size
+    flights: dict[str, Flight] = field(default_factory=dict)  # sample id → flight
+    in_flight_tokens: dict[str, float] = field(default_factory=dict)  # url → footprints
+    lengths: Lengths = field(default_factory=Lengths)
 
 
 class Scheduler:
@@ -63,40 +65,31 @@ class Scheduler:
 
     def learn_prior(self, category: str, done: int, output_tokens: int) -> None:
         """Output lengths recorded by earlier runs seed the expectation."""
-        if done:
-            m = self.books.output_means.setdefault(category, _Mean())
-            m.n += done
-            m.total += output_tokens
-            self.books.overall.n += done
-            self.books.overall.total += output_tokens
+        self.books.lengths.learn_prior(category, done, output_tokens)
 
     def expected_output(self, sample: Sample) -> float:
-        m = self.books.output_means.get(sample.category)
-        mean = m.value if m is not None else None
-        if mean is None:
-            mean = self.books.overall.value
-        if mean is None:
-            mean = sample.max_tokens / 2  # a prior until the first samples finish
-        return min(mean, float(sample.max_tokens))
+        return self.books.lengths.mean(sample.category, sample.max_tokens)
 
     def footprint(self, sample: Sample) -> float:
         """KV tokens a request holds at its end: its prompt plus its expected answer."""
         return sample.prompt_tokens + self.expected_output(sample)
 
-    def started(self, sample: Sample, server: ServerState) -> None:
-        size = self.footprint(sample)
-        self.books.footprints[sample.id] = size
+    def started(self, sample: Sample, server: ServerState) -> Flight:
+        """`sample` was sent to `server`; the runner adds streamed tokens to the flight."""
+        flight = Flight(sample, server.url, self.footprint(sample))
+        self.books.flights[sample.id] = flight
         self.books.in_flight_tokens[server.url] = (
-            self.books.in_flight_tokens.get(server.url, 0.0) + size)
+            self.books.in_flight_tokens.get(server.url, 0.0) + flight.size)
+        return flight
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
         """A request left the server; `output_tokens` is None when it did not finish."""
-        size = self.books.footprints.pop(sample.id, 0.0)
-        self.books.in_flight_tokens[server.url] = max(
-            0.0, self.books.in_flight_tokens.get(server.url, 0.0) - size)
+        flight = self.books.flights.pop(sample.id, None)
+        if flight is not None:
+            self.books.in_flight_tokens[server.url] = max(
+                0.0, self.books.in_flight_tokens.get(server.url, 0.0) - flight.size)
         if output_tokens is not None:
-            self.books.output_means.setdefault(sample.category, _Mean()).add(output_tokens)
-            self.books.overall.add(output_tokens)
+            self.books.lengths.add(sample.category, output_tokens)
 
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
         """A fresh load reading for `server`; static policies ignore it."""
