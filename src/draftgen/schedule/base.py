@@ -50,7 +50,6 @@ class Books:
     """What is in flight where, and the output lengths learned so far."""
 
     flights: dict[str, Flight] = field(default_factory=dict)  # sample id → flight
-    in_flight_tokens: dict[str, float] = field(default_factory=dict)  # url → footprints
     lengths: Lengths = field(default_factory=Lengths)
 
 
@@ -78,16 +77,11 @@ class Scheduler:
         """`sample` was sent to `server`; the runner adds streamed tokens to the flight."""
         flight = Flight(sample, server.url, self.footprint(sample))
         self.books.flights[sample.id] = flight
-        self.books.in_flight_tokens[server.url] = (
-            self.books.in_flight_tokens.get(server.url, 0.0) + flight.size)
         return flight
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
         """A request left the server; `output_tokens` is None when it did not finish."""
-        flight = self.books.flights.pop(sample.id, None)
-        if flight is not None:
-            self.books.in_flight_tokens[server.url] = max(
-                0.0, self.books.in_flight_tokens.get(server.url, 0.0) - flight.size)
+        self.books.flights.pop(sample.id, None)
         if output_tokens is not None:
             self.books.lengths.add(sample.category, output_tokens)
 
