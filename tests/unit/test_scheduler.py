@@ -262,20 +262,42 @@ def test_preemptions_in_proportion_to_finished_requests_are_tolerated() -> None:
 
 def test_backs_off_when_the_server_queue_grows() -> None:
     sched, server, logs = full()
-    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK))  # a short queue is fine
-    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1))
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK, usage=1.0))  # short: fine
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1, usage=1.0))
     assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.BACK_OFF_QUEUE)
     assert "queue growing" in logs[-1]
     # Requests preempted back into the queue are judged as preemptions, not queue growth.
     before = sched.targets()["a"]
-    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 3, preempt=1))
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 3, preempt=1, usage=1.0))
     assert sched.targets()["a"] == before
+
+
+def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs() -> None:
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append)
+    server = ServerState("a")
+    sched.on_load(server, load("a", capacity=100_000))
+    learn(sched, [50] * lengths.MIN_SAMPLES)
+    q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
+    assert len(q.fill([server])) == 150  # the cache has room for all: the partition limits
+    # The server runs 128 at once (its own max_num_seqs) and queues the rest.
+    queued = load("a", capacity=100_000, running=128, waiting=22, usage=0.2)
+    sched.on_load(server, queued)
+    sched.on_load(server, queued)
+    assert "runs at most 128 requests" in logs[-1]
+    assert sched.targets()["a"] == 100_000  # no KV back-off: the cache is not the limit
+    for _ in range(40):
+        q.finish("short", 50)
+    assert len(q.fill([server])) == 128 + adaptive.QUEUE_OK - 110
+    # Restarted with a higher limit, it runs more than that: the cap is learned again.
+    sched.on_load(server, load("a", capacity=100_000, running=129, waiting=0, usage=0.3))
+    assert len(q.fill([server])) == 150 - 130
 
 
 def test_pushes_up_when_calm_learned_at_target_and_the_server_has_room() -> None:
     sched, server, logs = full()
-    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK))
-    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1))  # a back-off
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK, usage=1.0))
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 1, usage=1.0))  # a back-off
     before = sched.targets()["a"]
     # Readings alone do not raise it: the projection still stands on the cautious prior.
     for _ in range(adaptive.COOL_DOWN + 1):

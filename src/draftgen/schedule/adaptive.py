@@ -16,7 +16,8 @@ it backs off when preemptions/retractions outrun a small share of the requests f
 slot loses whole decode steps) or when the server queue grows, and pushes up while the
 client is the limit (the projection is at its target) yet the server's queue is dry and its
 KV usage below target. A short queue at the server is welcome: it refills a slot the moment
-one frees.
+one frees. A queue while the cache has room means the server's own limit on running
+requests binds instead; that limit is learned from the readings and caps what is sent.
 
 Partitions compete by deficit: the one whose share of in-flight tokens lags its share of
 remaining work goes first, so long requests start all along the run instead of piling up
@@ -69,6 +70,8 @@ class _ServerControl:
     preempted: int = 0  # since the last change of target
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
+    max_running: int | None = None  # the server's own limit on running requests, if seen
+    queued_with_room: int = 0  # readings in a row with a queue while KV had room
 
     @property
     def target(self) -> float | None:
@@ -168,9 +171,13 @@ class AdaptiveScheduler(Scheduler):
                 new_preempt = max(0, load.preemptions_total - c.preemptions)
             c.preemptions = load.preemptions_total
         c.preempted += new_preempt
+        # A queue while the cache has room: the server's limit on running requests
+        # (vLLM --max-num-seqs, SGLang --max-running-requests) binds, not its KV.
+        room = load.kv_usage is not None and load.kv_usage < KV_TARGET and not new_preempt
+        self._learn_slots(server.url, c, load, room)
         # Preempted requests wait at the server too; that growth is judged as preemptions.
         growing = (load.waiting is not None and c.waiting is not None and not new_preempt
-                   and load.waiting > QUEUE_OK and load.waiting > c.waiting)
+                   and not room and load.waiting > QUEUE_OK and load.waiting > c.waiting)
         c.waiting, c.kv_usage, c.running = load.waiting, load.kv_usage, load.running
         if c.capacity is None:
             return
@@ -195,6 +202,27 @@ class AdaptiveScheduler(Scheduler):
             self._set(server.url, c, c.factor * PUSH_UP,
                       f"at target, server queue {load.waiting or 0}, KV usage {usage}")
 
+    def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
+        """How many requests the server runs at once, when that, not KV, makes it queue.
+
+        Two readings in a row with a queue and room in the cache set the limit to what
+        runs; a reading with more running than the limit clears it, to be learned again.
+        """
+        running, waiting = load.running, load.waiting
+        if running is None or waiting is None:
+            return
+        if c.max_running is not None and running > c.max_running:
+            c.max_running = None
+        if room and waiting > QUEUE_OK and running:
+            c.queued_with_room += 1
+            if c.queued_with_room >= 2 and running != c.max_running:
+                c.max_running = running
+                self._log(f"{url}: runs at most {running} requests at once ({waiting} "
+                          f"waiting with KV usage {load.kv_usage:.0%}); sending at most "
+                          f"{running + QUEUE_OK}")
+        else:
+            c.queued_with_room = 0
+
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:
         factor = min(FACTOR_MAX, max(FACTOR_MIN, factor))
         if factor == c.factor:
@@ -208,6 +236,10 @@ class AdaptiveScheduler(Scheduler):
 
     # --- admission ------------------------------------------------------------------
 
+    def _has_slot(self, server: ServerState) -> bool:
+        limit = self.control(server.url).max_running
+        return limit is None or server.in_flight < limit + QUEUE_OK
+
     def _free(self, server: ServerState) -> float:
         target = self.control(server.url).target
         if target is None:
@@ -216,7 +248,7 @@ class AdaptiveScheduler(Scheduler):
 
     def pick(self, partitions: Sequence[PartitionView],
              servers: Sequence[ServerState]) -> tuple[str, ServerState] | None:
-        ups = [s for s in servers if s.up]
+        ups = [s for s in servers if s.up and self._has_slot(s)]
         ready = [p for p in partitions if p.head is not None and p.in_flight < p.concurrency]
         if not ups or not ready:
             return None
