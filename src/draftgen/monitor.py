@@ -55,8 +55,10 @@ class RunMonitor:
                  stats: RunStats, clock: Clock, interval_s: float,
                  give_up_s: float | None, waiting: Callable[[], int],
                  wake: Callable[[], None], give_up: Callable[[str], None],
-                 log: Callable[[str], None], metrics: MetricsExporter | None = None) -> None:
+                 log: Callable[[str], None], metrics: MetricsExporter | None = None,
+                 recall: Callable[[list[str]], None] = lambda _ids: None) -> None:
         self._out = out_dir
+        self._recall = recall
         self._pool = pool
         self._scheduler = scheduler
         self._stats = stats
@@ -93,6 +95,8 @@ class RunMonitor:
             if load is not None:
                 self.loads[server.url] = load
                 self._scheduler.on_load(server, load)
+                if ids := self._scheduler.recall(server):
+                    self._recall(ids)
         self._stats.servers = tuple(self._server_view())
         if self._metrics is not None:
             self._metrics.update(self._stats.snapshot())

@@ -106,7 +106,13 @@ class _RunState:
     exit_code: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     requeue: set[asyncio.Task[None]] = field(default_factory=set)
+    by_sample: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # in flight
     outages: Counter[str] = field(default_factory=Counter)
+
+    def forget(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if self.by_sample.get(task.get_name()) is task:  # not yet sent again
+            del self.by_sample[task.get_name()]
 
     def request_stop(self, reason: str, exit_code: int = 0) -> None:
         if self.stop_reason is None:
@@ -254,7 +260,7 @@ class Runner:
             give_up_s=self.job.client.server_down_give_up_s,
             waiting=lambda: sum(len(q.samples) + q.in_flight for q in self._queues.values()),
             wake=self._wake.set, give_up=self._give_up, log=events.add,
-            metrics=self._start_metrics(events),
+            metrics=self._start_metrics(events), recall=self._recall,
         )
         loop = asyncio.get_running_loop()
         signals = _install_signals(loop, self._on_signal)
@@ -347,6 +353,14 @@ class Runner:
             self._state.requeue.add(t)
             t.cancel()
 
+    def _recall(self, sample_ids: list[str]) -> None:
+        """Call requests back from a server; they go to the front of their queue."""
+        for sid in sample_ids:
+            task = self._state.by_sample.get(sid)
+            if task is not None and not task.done():
+                self._state.requeue.add(task)
+                task.cancel()
+
     def _views(self) -> list[PartitionView]:
         return [
             PartitionView(name, self.job.partitions[name].concurrency,
@@ -375,11 +389,13 @@ class Runner:
             self.pool.assign(server)
             flight = self.scheduler.started(sample, server)
             self.stats.started(sample.category)
-            task = tg.create_task(self._request(flight, server, queue, client, writer))
+            task = tg.create_task(self._request(flight, server, queue, client, writer),
+                                  name=sample.id)
             self._state.tasks.add(task)
+            self._state.by_sample[sample.id] = task
             server.tasks.add(task)
-            task.add_done_callback(self._state.tasks.discard)
             task.add_done_callback(server.tasks.discard)
+            task.add_done_callback(self._state.forget)
 
     async def _request(self, flight: Flight, server: ServerState, queue: _Queue,
                        client: ChatClient, writer: OutcomeWriter) -> None:

@@ -126,6 +126,8 @@ class FakeServer:
     context_tokens: int | None = None
     # Answers by request body instead of script order (for concurrent callers).
     responder: Callable[[dict[str, Any]], Reply] | None = None
+    # Served as SGLang's GET /v1/loads when set.
+    loads: Callable[[], Any] | None = None
     seen: list[SeenRequest] = field(default_factory=list)
     active: int = 0
     max_active: int = 0
@@ -144,6 +146,8 @@ class FakeServer:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_get("/v1/models", self._models)
+        if self.loads is not None:
+            app.router.add_get("/v1/loads", self._loads)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -161,6 +165,10 @@ class FakeServer:
             return web.Response(status=404)
         data = {"data": [{"id": "fake", "max_model_len": self.context_tokens}]}
         return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+    async def _loads(self, request: web.Request) -> web.Response:
+        assert self.loads is not None
+        return web.Response(body=orjson.dumps(self.loads()), content_type="application/json")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None

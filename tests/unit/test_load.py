@@ -235,6 +235,7 @@ async def test_sglang_v1_loads_sums_dp_ranks_and_weights_usage_by_capacity(
     assert (load.kv_used_tokens, load.kv_capacity_tokens) == (70000, 150000)
     # The capacity-weighted mean, not the plain mean of 0.6 and 0.2.
     assert load.kv_usage == pytest.approx(70000 / 150000)
+    assert load.max_running == 2 * 256  # each DP rank runs up to its own limit
     assert load.at == 100.0
     assert load.source == "sglang /v1/loads"
     # queues.retracted is a gauge of the last retraction, not a counter: not reported.

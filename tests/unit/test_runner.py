@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,61 @@ async def test_work_moves_off_a_server_that_goes_down_and_back_when_it_returns(
     events = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())["runs"][-1]["events"]
     assert any(server_b.url in e and "down" in e for e in events)
     assert any(server_b.url in e and "up again" in e for e in events)
+
+
+class SlotServer(FakeServer):
+    """Runs at most `slots` requests at once and queues the rest without a byte, as a
+    server whose own running limit binds; reports it like SGLang's /v1/loads but does not
+    publish the limit (as vLLM does not)."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(responder=lambda body: Reply(steps=[
+            chunk("x"), 0.2, *completion(["y"], completion_tokens=2).steps]))
+        self.loads = self.load_reading
+        self._slots = asyncio.Semaphore(slots)
+        self.running = self.waiting = 0
+
+    def load_reading(self) -> dict[str, Any]:
+        return {"loads": [{"num_running_reqs": self.running, "num_waiting_reqs": self.waiting,
+                           "num_used_tokens": 10, "max_total_num_tokens": 100_000,
+                           "token_usage": 0.0001}]}
+
+    async def _play(self, request: Any, body: dict[str, Any]) -> Any:
+        if last_user(body) == "ping":
+            return await super()._play(request, body)
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        try:
+            return await super()._play(request, body)
+        finally:
+            self.running -= 1
+            self._slots.release()
+
+
+async def test_requests_waiting_beyond_the_servers_running_limit_are_called_back(
+        tmp_path: Path) -> None:
+    """The first burst goes out before the limit is known; once it is learned, what waits
+    beyond it comes back to the client's queue, and is sent again once: nothing lost, no
+    attempt charged, nothing twice in the output."""
+    job = load_job(make_job(tmp_path, rows(40), conc=30,
+                            extra="scheduler: adaptive\npoll_interval_s: 0.05\n"))
+    async with SlotServer(slots=4) as server:
+        opts = RunOptions(out_dir=tmp_path / "out", servers=[server.url], progress=False)
+        summary = await run_job(job, opts)
+    assert (summary.done, summary.failed) == (40, 0)
+    recs = [orjson.loads(x) for p in sorted((tmp_path / "out" / "shards").glob("*"))
+            for x in p.read_bytes().splitlines()]
+    assert sorted(r["id"] for r in recs) == sorted(f"chat-{i}" for i in range(40))
+    assert {r["attempts"] for r in recs} == {1}
+    events = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())["runs"][-1]["events"]
+    assert any("runs at most 4 requests" in e for e in events)
+    called_back = [e for e in events if "calling back" in e]
+    assert called_back
+    sent = [last_user(s.body) for s in server.seen if last_user(s.body) != "ping"]
+    # The first burst (30) was more than 4 + 2; what came back was sent again.
+    assert len(sent) > 40
+    assert collections.Counter(sent).most_common(1)[0][1] == 2

@@ -197,9 +197,36 @@ def test_long_requests_keep_flowing_beside_short_ones() -> None:
     q = Queues(sched, {"short": (150, [sample(i, max_tokens=200) for i in range(300)]),
                        "long": (32, [sample(i, "long", max_tokens=2000) for i in range(30)])})
     admitted = [n for n, _ in q.fill([server])]
-    # Remaining work is ~60,000 short vs ~33,000 long tokens: long is not left for the end.
+    # Both start at once, the long answers (the longer tail) first.
+    assert admitted[0] == "long"
+    assert admitted[:4].count("short") >= 1
     assert admitted.count("long") >= 2
-    assert admitted.count("short") >= 10
+    assert admitted.count("short") >= 5
+
+
+def test_the_partition_with_the_longer_tail_drains_first() -> None:
+    sched = AdaptiveScheduler()
+    server = ServerState("a")
+    # No KV limit; the server runs 16 at once, so 18 are sent.
+    sched.on_load(server, dataclasses.replace(load("a", capacity=None), max_running=16))
+    # The same mean length (100), but one long answer in ten runs to 505 tokens.
+    learn(sched, [100] * 40, cat="s")
+    learn(sched, [55] * 36 + [505] * 4, cat="l")
+    q = Queues(sched, {"short": (50, [sample(i, cat="s", max_tokens=1000) for i in range(40)]),
+                       "long": (50, [sample(i, "long", cat="l", max_tokens=1000)
+                                     for i in range(40)])})
+    sent = [n for n, _ in q.fill([server])]
+    assert len(sent) == 18
+    while q.q["short"] or q.q["long"]:  # the oldest request ends, the next is picked
+        oldest = min(("short", "long"), key=lambda k: int(
+            q.flight[k][0][0].id.split("-")[1]) if q.flight[k] else 10**9)
+        q.finish(oldest, 100)
+        sent += [n for n, _ in q.fill([server])]
+    # Both kept flowing, but the long queue emptied well before the short one.
+    assert sent[:18].count("short") >= 5
+    last_long = max(i for i, n in enumerate(sent) if n == "long")
+    last_short = max(i for i, n in enumerate(sent) if n == "short")
+    assert last_long < last_short - 5
 
 
 def test_work_goes_to_the_server_with_the_most_free_expected_capacity() -> None:
@@ -292,6 +319,37 @@ def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs(
     # Restarted with a higher limit, it runs more than that: the cap is learned again.
     sched.on_load(server, load("a", capacity=100_000, running=129, waiting=0, usage=0.3))
     assert len(q.fill([server])) == 150 - 130
+
+
+def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -> None:
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append)
+    server = ServerState("a")
+    sched.on_load(server, load("a", capacity=100_000))
+    learn(sched, [50] * lengths.MIN_SAMPLES)
+    q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
+    q.fill([server])
+    assert sched.recall(server) == []  # no limit known yet
+    for s, _ in q.flight["short"][:10]:
+        sched.books.flights[s.id].written = 3  # these have begun to answer
+    queued = load("a", capacity=100_000, running=10, waiting=140, usage=0.2)
+    sched.on_load(server, queued)
+    sched.on_load(server, queued)
+    back = sched.recall(server)
+    # 150 in flight, room for 10 running + a short queue: the newest 138 come back.
+    assert back == [f"short-{i}" for i in range(149, 149 - 138, -1)]
+    assert "calling back 138" in logs[-1]
+
+
+def test_a_published_running_limit_needs_no_learning() -> None:
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append)
+    server = ServerState("a")
+    reading = dataclasses.replace(load("a", capacity=100_000), max_running=20)
+    sched.on_load(server, reading)
+    assert "at most 20 requests at once (published)" in logs[-1]
+    q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
+    assert len(q.fill([server])) == 20 + adaptive.QUEUE_OK
 
 
 def test_pushes_up_when_calm_learned_at_target_and_the_server_has_room() -> None:

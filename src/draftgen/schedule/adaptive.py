@@ -19,9 +19,15 @@ KV usage below target. A short queue at the server is welcome: it refills a slot
 one frees. A queue while the cache has room means the server's own limit on running
 requests binds instead; that limit is learned from the readings and caps what is sent.
 
-Partitions compete by deficit: the one whose share of in-flight tokens lags its share of
-remaining work goes first, so long requests start all along the run instead of piling up
-into a long tail at the end.
+Partitions compete by when they would finish: the one whose queue, at its current number
+of requests in flight, would take longest to drain, plus the length of its longest answers
+(the tail its last request may add), goes first. Both keep flowing, and the partition with
+the longer answers drains earlier, so the run does not end in a tail of a few long requests.
+
+When the server's own limit on running requests binds (published by SGLang's /v1/loads,
+learned for vLLM), what was sent beyond limit + a short queue (a first burst before the
+limit was known) is called back: the newest requests that have not begun to answer go back
+to the front of their queue, to be sent when a slot frees, instead of waiting at the server.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ COOL_DOWN = 5
 # still has to finish, so the next reading often shows the same excess.
 SETTLE = 2
 STEPS = 16  # look-ahead points over the longest max_tokens
+TAIL_QUANTILE = 0.99  # the length a partition's last answers may run to
 
 
 @dataclass(slots=True)
@@ -86,7 +93,6 @@ class AdaptiveScheduler(Scheduler):
         super().__init__(log)
         self._control: dict[str, _ServerControl] = {}
         self._initial_factor = initial_factor
-        self._partition_tokens: dict[str, float] = {}
         self._ahead: list[float] = [0.0]
         self._span = 0
         self._candidate: tuple[str, str, list[float]] | None = None  # (sample, url, curve)
@@ -132,8 +138,6 @@ class AdaptiveScheduler(Scheduler):
     def started(self, sample: Sample, server: ServerState) -> Flight:
         self._look_ahead(sample.max_tokens)
         flight = super().started(sample, server)
-        self._partition_tokens[sample.partition] = (
-            self._partition_tokens.get(sample.partition, 0.0) + flight.size)
         c = self.control(server.url)
         if c.projection is not None:
             cand = self._candidate
@@ -144,10 +148,6 @@ class AdaptiveScheduler(Scheduler):
         return flight
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
-        flight = self.books.flights.get(sample.id)
-        if flight is not None:
-            self._partition_tokens[sample.partition] = max(
-                0.0, self._partition_tokens.get(sample.partition, 0.0) - flight.size)
         super().ended(sample, server, output_tokens)
         if output_tokens is not None:
             self.control(server.url).finished += 1
@@ -174,7 +174,13 @@ class AdaptiveScheduler(Scheduler):
         # A queue while the cache has room: the server's limit on running requests
         # (vLLM --max-num-seqs, SGLang --max-running-requests) binds, not its KV.
         room = load.kv_usage is not None and load.kv_usage < KV_TARGET and not new_preempt
-        self._learn_slots(server.url, c, load, room)
+        if load.max_running:
+            if load.max_running != c.max_running:
+                self._log(f"{server.url}: runs at most {load.max_running} requests at once "
+                          f"(published); sending at most {load.max_running + QUEUE_OK}")
+            c.max_running = load.max_running
+        else:
+            self._learn_slots(server.url, c, load, room)
         # Preempted requests wait at the server too; that growth is judged as preemptions.
         growing = (load.waiting is not None and c.waiting is not None and not new_preempt
                    and not room and load.waiting > QUEUE_OK and load.waiting > c.waiting)
@@ -256,7 +262,7 @@ class AdaptiveScheduler(Scheduler):
             self._look_ahead(p.max_tokens)
         # Most free expected capacity; where it is unknown, fewest requests in flight.
         server = max(ups, key=lambda s: (self._free(s), -s.in_flight))
-        part = max(ready, key=self._deficit(ready))
+        part = max(ready, key=self._finish)
         head = part.head
         assert head is not None
         c = self.control(server.url)
@@ -269,16 +275,28 @@ class AdaptiveScheduler(Scheduler):
             return part.name, server
         return None
 
-    def _deficit(self, ready: Sequence[PartitionView]) -> Callable[[PartitionView], float]:
-        remaining = {p.name: p.queued * self.footprint(p.head) for p in ready if p.head}
-        total_remaining = sum(remaining.values()) or 1.0
-        total_flight = sum(self._partition_tokens.get(p.name, 0.0) for p in ready) or 1.0
+    def _finish(self, p: PartitionView) -> float:
+        """Engine steps until the partition's queue drains at its present number in flight
+        (each running request writes a token a step), plus its longest answers."""
+        head = p.head
+        assert head is not None
+        lengths = self.books.lengths
+        drain = p.queued * lengths.mean(head.category, head.max_tokens) / max(p.in_flight, 0.5)
+        return drain + lengths.quantile(head.category, head.max_tokens, TAIL_QUANTILE)
 
-        def deficit(p: PartitionView) -> float:
-            return (remaining.get(p.name, 0.0) / total_remaining
-                    - self._partition_tokens.get(p.name, 0.0) / total_flight)
-
-        return deficit
+    def recall(self, server: ServerState) -> list[str]:
+        """Requests to call back from `server`: beyond its running limit + a short queue,
+        the newest that have not begun to answer (first turn, no token yet)."""
+        limit = self.control(server.url).max_running
+        if limit is None or server.in_flight <= limit + QUEUE_OK:
+            return []
+        excess = server.in_flight - limit - QUEUE_OK
+        fresh = [f.sample.id for f in reversed(self.books.flights.values())
+                 if f.url == server.url and not f.written and not f.earlier]
+        if fresh[:excess]:
+            self._log(f"{server.url}: calling back {len(fresh[:excess])} request(s) waiting "
+                      f"beyond its limit of {limit} running")
+        return fresh[:excess]
 
     def targets(self) -> Mapping[str, float]:
         return {url: c.target for url, c in self._control.items() if c.target is not None}

@@ -3,7 +3,7 @@
 The runner keeps one queue of pending samples per partition and asks the scheduler, each
 time something changes, which partition's next sample to send and to which server. The base
 class keeps the books every policy needs (what is in flight where, expected output lengths
-learned from finished samples); a policy writes `pick` and, if it adapts, `on_load`.
+learned from finished samples); a policy writes `pick` and, if it adapts, `on_load` and `recall`.
 """
 
 from __future__ import annotations
@@ -87,6 +87,10 @@ class Scheduler:
 
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
         """A fresh load reading for `server`; static policies ignore it."""
+
+    def recall(self, server: ServerState) -> list[str]:
+        """Sample ids of requests on `server` to call back and queue again (none here)."""
+        return []
 
     def pick(self, partitions: Sequence[PartitionView],
              servers: Sequence[ServerState]) -> tuple[str, ServerState] | None:

@@ -87,6 +87,14 @@ class Lengths:
             mean = max_tokens / 2
         return min(mean, float(max_tokens))
 
+    def quantile(self, category: str, max_tokens: int, q: float) -> float:
+        """The length that a share `q` of answers stay within; max_tokens until learned."""
+        learned = self._learned(category)
+        if learned is None:
+            return float(max_tokens)
+        return float(min(max_tokens, learned.xs[min(len(learned.xs) - 1,
+                                                     int(q * len(learned.xs)))]))
+
     def still_running(self, category: str, max_tokens: int, written: int,
                       ahead: list[float]) -> list[float]:
         """For each h in `ahead`, the chance an answer that has written `written` tokens

@@ -50,6 +50,9 @@ class ServerLoad:
     missing: tuple[str, ...]  # fields it could not see
     # KV is allocated in blocks of this many tokens (vLLM's block_size); None: per token.
     kv_block_tokens: int | None = None
+    # The server's own limit on requests running at once, where it publishes one (SGLang
+    # /v1/loads `max_running_requests`, summed over DP ranks; vLLM does not).
+    max_running: int | None = None
 
 
 # The reading fields of ServerLoad, in declaration order.
@@ -91,6 +94,7 @@ _V1_LOADS: dict[str, str] = {
     "num_waiting_reqs": "waiting",
     "num_used_tokens": "kv_used_tokens",
     "max_total_num_tokens": "kv_capacity_tokens",
+    "max_running_requests": "max_running",
 }
 
 Reading = dict[str, float]
@@ -319,6 +323,7 @@ class LoadPoller:
             generation_tokens_total=whole("generation_tokens_total"),
             engine_steps_total=whole("engine_steps_total"),
             source=source, missing=missing, kv_block_tokens=whole("kv_block_tokens"),
+            max_running=whole("max_running"),
         )
 
     def _say(self, message: str) -> None:
