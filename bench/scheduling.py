@@ -159,7 +159,7 @@ def main() -> None:
           f"`python bench/scheduling.py {' '.join(sys.argv[1:])}`")
     for blocks in args.kv_blocks:
         med = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings))
-        statics = {s: m for s, m in med.items() if s.startswith("c=")}
+        statics = {s: m for s, m in med.items() if s != "adaptive"}
         best = max(statics, key=lambda s: statics[s]["tok_s"]) if statics else None
         print(f"\nKV {blocks * 128:,} tokens, {args.prompts} prompts, medians of "
               f"{args.repeats} interleaved repeats")
