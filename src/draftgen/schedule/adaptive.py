@@ -48,7 +48,7 @@ PUSH_UP = 1.05
 KV_TARGET = 0.95
 # Preemptions tolerated per request finished since the last change of target (plus a few
 # for small counts) before backing off.
-PREEMPT_OK = 1.0
+PREEMPT_OK = 1.25
 PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
 # Requests finished under the current target before it may rise: what a change does shows
