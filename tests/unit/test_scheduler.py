@@ -339,6 +339,9 @@ def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -
     # 150 in flight, room for 10 running + a short queue: the newest 138 come back.
     assert back == [f"short-{i}" for i in range(149, 149 - 138, -1)]
     assert "calling back 138" in logs[-1]
+    # Fewer waiting than sent beyond the limit: the rest may still be in prefill.
+    sched.on_load(server, load("a", capacity=100_000, running=10, waiting=5, usage=0.2))
+    assert sched.recall(server) == ["short-149", "short-148", "short-147"]
 
 
 def test_a_published_running_limit_needs_no_learning() -> None:

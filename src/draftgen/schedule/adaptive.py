@@ -287,15 +287,18 @@ class AdaptiveScheduler(Scheduler):
     def recall(self, server: ServerState) -> list[str]:
         """Requests to call back from `server`: beyond its running limit + a short queue,
         the newest that have not begun to answer (first turn, no token yet)."""
-        limit = self.control(server.url).max_running
-        if limit is None or server.in_flight <= limit + QUEUE_OK:
+        c = self.control(server.url)
+        if c.max_running is None:
             return []
-        excess = server.in_flight - limit - QUEUE_OK
+        # Never more than the server says wait: the rest may be in a long prefill.
+        excess = min(server.in_flight - c.max_running, c.waiting or 0) - QUEUE_OK
+        if excess <= 0:
+            return []
         fresh = [f.sample.id for f in reversed(self.books.flights.values())
                  if f.url == server.url and not f.written and not f.earlier]
         if fresh[:excess]:
             self._log(f"{server.url}: calling back {len(fresh[:excess])} request(s) waiting "
-                      f"beyond its limit of {limit} running")
+                      f"beyond its limit of {c.max_running} running")
         return fresh[:excess]
 
     def targets(self) -> Mapping[str, float]:

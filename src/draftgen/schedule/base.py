@@ -36,7 +36,6 @@ class Flight:
 
     sample: Sample
     url: str
-    size: float  # the footprint it was admitted with
     written: int = 0  # tokens of the answer being written
     earlier: int = 0  # tokens of earlier turns' answers (multi-turn), now part of the prompt
 
@@ -66,16 +65,9 @@ class Scheduler:
         """Output lengths recorded by earlier runs seed the expectation."""
         self.books.lengths.learn_prior(category, done, output_tokens)
 
-    def expected_output(self, sample: Sample) -> float:
-        return self.books.lengths.mean(sample.category, sample.max_tokens)
-
-    def footprint(self, sample: Sample) -> float:
-        """KV tokens a request holds at its end: its prompt plus its expected answer."""
-        return sample.prompt_tokens + self.expected_output(sample)
-
     def started(self, sample: Sample, server: ServerState) -> Flight:
         """`sample` was sent to `server`; the runner adds streamed tokens to the flight."""
-        flight = Flight(sample, server.url, self.footprint(sample))
+        flight = Flight(sample, server.url)
         self.books.flights[sample.id] = flight
         return flight
 
