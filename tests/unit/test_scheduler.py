@@ -207,7 +207,7 @@ def test_long_requests_keep_flowing_beside_short_ones() -> None:
 def test_the_partition_with_the_longer_tail_drains_first() -> None:
     sched = AdaptiveScheduler()
     server = ServerState("a")
-    # No KV limit; the server runs 16 at once, so 18 are sent.
+    # No KV limit; the server runs 16 at once, so 16 + SLOT_QUEUE are sent.
     sched.on_load(server, dataclasses.replace(load("a", capacity=None), max_running=16))
     # The same mean length (100), but one long answer in ten runs to 505 tokens.
     learn(sched, [100] * 40, cat="s")
@@ -216,14 +216,14 @@ def test_the_partition_with_the_longer_tail_drains_first() -> None:
                        "long": (50, [sample(i, "long", cat="l", max_tokens=1000)
                                      for i in range(40)])})
     sent = [n for n, _ in q.fill([server])]
-    assert len(sent) == 18
+    assert len(sent) == 16 + adaptive.SLOT_QUEUE
     while q.q["short"] or q.q["long"]:  # the oldest request ends, the next is picked
         oldest = min(("short", "long"), key=lambda k: int(
             q.flight[k][0][0].id.split("-")[1]) if q.flight[k] else 10**9)
         q.finish(oldest, 100)
         sent += [n for n, _ in q.fill([server])]
     # Both kept flowing, but the long queue emptied well before the short one.
-    assert sent[:18].count("short") >= 5
+    assert sent[:17].count("short") >= 5
     last_long = max(i for i, n in enumerate(sent) if n == "long")
     last_short = max(i for i, n in enumerate(sent) if n == "short")
     assert last_long < last_short - 5
@@ -308,17 +308,16 @@ def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs(
     q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
     assert len(q.fill([server])) == 150  # the cache has room for all: the partition limits
     # The server runs 128 at once (its own max_num_seqs) and queues the rest.
-    queued = load("a", capacity=100_000, running=128, waiting=22, usage=0.2)
-    sched.on_load(server, queued)
-    sched.on_load(server, queued)
+    sched.on_load(server, load("a", capacity=100_000, running=128, waiting=22, usage=0.2))
     assert "runs at most 128 requests" in logs[-1]
     assert sched.targets()["a"] == 100_000  # no KV back-off: the cache is not the limit
     for _ in range(40):
         q.finish("short", 50)
-    assert len(q.fill([server])) == 128 + adaptive.QUEUE_OK - 110
-    # Restarted with a higher limit, it runs more than that: the cap is learned again.
+    assert len(q.fill([server])) == 128 + adaptive.SLOT_QUEUE - 110
+    # Restarted with a higher limit, it runs what was sent beyond the old one: the limit
+    # rises to that, and the next one sent beyond it probes for more.
     sched.on_load(server, load("a", capacity=100_000, running=129, waiting=0, usage=0.3))
-    assert len(q.fill([server])) == 150 - 130
+    assert len(q.fill([server])) == 129 + adaptive.SLOT_QUEUE - (128 + adaptive.SLOT_QUEUE)
 
 
 def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -> None:
@@ -332,16 +331,16 @@ def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -
     assert sched.recall(server) == []  # no limit known yet
     for s, _ in q.flight["short"][:10]:
         sched.books.flights[s.id].written = 3  # these have begun to answer
-    queued = load("a", capacity=100_000, running=10, waiting=140, usage=0.2)
-    sched.on_load(server, queued)
-    sched.on_load(server, queued)
+    sched.on_load(server, load("a", capacity=100_000, running=10, waiting=140, usage=0.2))
     back = sched.recall(server)
-    # 150 in flight, room for 10 running + a short queue: the newest 138 come back.
-    assert back == [f"short-{i}" for i in range(149, 149 - 138, -1)]
-    assert "calling back 138" in logs[-1]
+    # 150 in flight, room for 10 running + SLOT_QUEUE: the newest 139 come back, all but
+    # the ten that have begun to answer.
+    assert adaptive.SLOT_QUEUE == 1
+    assert back == [f"short-{i}" for i in range(149, 10, -1)]
+    assert "calling back 139" in logs[-1]
     # Fewer waiting than sent beyond the limit: the rest may still be in prefill.
     sched.on_load(server, load("a", capacity=100_000, running=10, waiting=5, usage=0.2))
-    assert sched.recall(server) == ["short-149", "short-148", "short-147"]
+    assert sched.recall(server) == ["short-149", "short-148", "short-147", "short-146"]
 
 
 def test_a_published_running_limit_needs_no_learning() -> None:
@@ -352,7 +351,7 @@ def test_a_published_running_limit_needs_no_learning() -> None:
     sched.on_load(server, reading)
     assert "at most 20 requests at once (published)" in logs[-1]
     q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
-    assert len(q.fill([server])) == 20 + adaptive.QUEUE_OK
+    assert len(q.fill([server])) == 20 + adaptive.SLOT_QUEUE
 
 
 def test_pushes_up_when_calm_learned_at_target_and_the_server_has_room() -> None:

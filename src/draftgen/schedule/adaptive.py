@@ -51,6 +51,8 @@ KV_TARGET = 0.95
 PREEMPT_OK = 1.25
 PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
+# Requests sent beyond the server's own running limit, when that binds.
+SLOT_QUEUE = 1
 # Requests finished under the current target before it may rise: what a change does shows
 # only once the requests in flight have turned over.
 PUSH_EVIDENCE = 4
@@ -78,7 +80,6 @@ class _ServerControl:
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
-    queued_with_room: int = 0  # readings in a row with a queue while KV had room
 
     @property
     def target(self) -> float | None:
@@ -177,7 +178,7 @@ class AdaptiveScheduler(Scheduler):
         if load.max_running:
             if load.max_running != c.max_running:
                 self._log(f"{server.url}: runs at most {load.max_running} requests at once "
-                          f"(published); sending at most {load.max_running + QUEUE_OK}")
+                          f"(published); sending at most {load.max_running + SLOT_QUEUE}")
             c.max_running = load.max_running
         else:
             self._learn_slots(server.url, c, load, room)
@@ -211,23 +212,19 @@ class AdaptiveScheduler(Scheduler):
     def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
         """How many requests the server runs at once, when that, not KV, makes it queue.
 
-        Two readings in a row with a queue and room in the cache set the limit to what
-        runs; a reading with more running than the limit clears it, to be learned again.
+        A reading with a queue and room in the cache sets the limit to what runs; a
+        reading with more running raises it (sending limit + SLOT_QUEUE probes for that).
         """
         running, waiting = load.running, load.waiting
         if running is None or waiting is None:
             return
         if c.max_running is not None and running > c.max_running:
-            c.max_running = None
-        if room and waiting > QUEUE_OK and running:
-            c.queued_with_room += 1
-            if c.queued_with_room >= 2 and running != c.max_running:
-                c.max_running = running
-                self._log(f"{url}: runs at most {running} requests at once ({waiting} "
-                          f"waiting with KV usage {load.kv_usage:.0%}); sending at most "
-                          f"{running + QUEUE_OK}")
-        else:
-            c.queued_with_room = 0
+            c.max_running = running
+        elif room and waiting > QUEUE_OK and running and running != c.max_running:
+            c.max_running = running
+            self._log(f"{url}: runs at most {running} requests at once ({waiting} "
+                      f"waiting with KV usage {load.kv_usage:.0%}); sending at most "
+                      f"{running + SLOT_QUEUE}")
 
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:
         factor = min(FACTOR_MAX, max(FACTOR_MIN, factor))
@@ -244,7 +241,7 @@ class AdaptiveScheduler(Scheduler):
 
     def _has_slot(self, server: ServerState) -> bool:
         limit = self.control(server.url).max_running
-        return limit is None or server.in_flight < limit + QUEUE_OK
+        return limit is None or server.in_flight < limit + SLOT_QUEUE
 
     def _free(self, server: ServerState) -> float:
         target = self.control(server.url).target
@@ -291,7 +288,7 @@ class AdaptiveScheduler(Scheduler):
         if c.max_running is None:
             return []
         # Never more than the server says wait: the rest may be in a long prefill.
-        excess = min(server.in_flight - c.max_running, c.waiting or 0) - QUEUE_OK
+        excess = min(server.in_flight - c.max_running, c.waiting or 0) - SLOT_QUEUE
         if excess <= 0:
             return []
         fresh = [f.sample.id for f in reversed(self.books.flights.values())
