@@ -299,13 +299,18 @@ def test_backs_off_when_the_server_queue_grows() -> None:
     assert sched.targets()["a"] == before
 
 
-def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs() -> None:
+def roomy() -> tuple[AdaptiveScheduler, ServerState, Queues, list[str]]:
+    """A server with room in its cache for all of 150 in flight, lengths learned."""
     logs: list[str] = []
     sched = AdaptiveScheduler(log=logs.append)
     server = ServerState("a")
     sched.on_load(server, load("a", capacity=100_000))
     learn(sched, [50] * lengths.MIN_SAMPLES)
-    q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
+    return sched, server, Queues(sched, {"short": (150, [sample(i) for i in range(200)])}), logs
+
+
+def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs() -> None:
+    sched, server, q, logs = roomy()
     assert len(q.fill([server])) == 150  # the cache has room for all: the partition limits
     # The server runs 128 at once (its own max_num_seqs) and queues the rest.
     sched.on_load(server, load("a", capacity=100_000, running=128, waiting=22, usage=0.2))
@@ -321,12 +326,7 @@ def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs(
 
 
 def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -> None:
-    logs: list[str] = []
-    sched = AdaptiveScheduler(log=logs.append)
-    server = ServerState("a")
-    sched.on_load(server, load("a", capacity=100_000))
-    learn(sched, [50] * lengths.MIN_SAMPLES)
-    q = Queues(sched, {"short": (150, [sample(i) for i in range(200)])})
+    sched, server, q, logs = roomy()
     q.fill([server])
     assert sched.recall(server) == []  # no limit known yet
     for s, _ in q.flight["short"][:10]:
