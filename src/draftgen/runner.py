@@ -349,17 +349,17 @@ class Runner:
             t.cancel()
 
     def _cancel_for_requeue(self, server: ServerState) -> None:
-        for t in list(server.tasks):
-            self._state.requeue.add(t)
-            t.cancel()
+        self._requeue(list(server.tasks))
 
     def _recall(self, sample_ids: list[str]) -> None:
         """Call requests back from a server; they go to the front of their queue."""
-        for sid in sample_ids:
-            task = self._state.by_sample.get(sid)
-            if task is not None and not task.done():
-                self._state.requeue.add(task)
-                task.cancel()
+        self._requeue([t for sid in sample_ids
+                       if (t := self._state.by_sample.get(sid)) is not None and not t.done()])
+
+    def _requeue(self, tasks: list[asyncio.Task[None]]) -> None:
+        for t in tasks:
+            self._state.requeue.add(t)
+            t.cancel()
 
     def _views(self) -> list[PartitionView]:
         return [

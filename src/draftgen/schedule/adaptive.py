@@ -175,13 +175,7 @@ class AdaptiveScheduler(Scheduler):
         # A queue while the cache has room: the server's limit on running requests
         # (vLLM --max-num-seqs, SGLang --max-running-requests) binds, not its KV.
         room = load.kv_usage is not None and load.kv_usage < KV_TARGET and not new_preempt
-        if load.max_running:
-            if load.max_running != c.max_running:
-                self._log(f"{server.url}: runs at most {load.max_running} requests at once "
-                          f"(published); sending at most {load.max_running + SLOT_QUEUE}")
-            c.max_running = load.max_running
-        else:
-            self._learn_slots(server.url, c, load, room)
+        self._learn_slots(server.url, c, load, room)
         # Preempted requests wait at the server too; that growth is judged as preemptions.
         growing = (load.waiting is not None and c.waiting is not None and not new_preempt
                    and not room and load.waiting > QUEUE_OK and load.waiting > c.waiting)
@@ -212,9 +206,16 @@ class AdaptiveScheduler(Scheduler):
     def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
         """How many requests the server runs at once, when that, not KV, makes it queue.
 
-        A reading with a queue and room in the cache sets the limit to what runs; a
-        reading with more running raises it (sending limit + SLOT_QUEUE probes for that).
+        A limit the server publishes (SGLang) stands as is. Otherwise a reading with a
+        queue and room in the cache sets the limit to what runs; a reading with more
+        running raises it (sending limit + SLOT_QUEUE probes for that).
         """
+        if load.max_running:
+            if load.max_running != c.max_running:
+                self._log(f"{url}: runs at most {load.max_running} requests at once "
+                          f"(published); sending at most {load.max_running + SLOT_QUEUE}")
+            c.max_running = load.max_running
+            return
         running, waiting = load.running, load.waiting
         if running is None or waiting is None:
             return
@@ -291,12 +292,12 @@ class AdaptiveScheduler(Scheduler):
         excess = min(server.in_flight - c.max_running, c.waiting or 0) - SLOT_QUEUE
         if excess <= 0:
             return []
-        fresh = [f.sample.id for f in reversed(self.books.flights.values())
-                 if f.url == server.url and not f.written and not f.earlier]
-        if fresh[:excess]:
-            self._log(f"{server.url}: calling back {len(fresh[:excess])} request(s) waiting "
+        back = [f.sample.id for f in reversed(self.books.flights.values())
+                if f.url == server.url and not f.written and not f.earlier][:excess]
+        if back:
+            self._log(f"{server.url}: calling back {len(back)} request(s) waiting "
                       f"beyond its limit of {c.max_running} running")
-        return fresh[:excess]
+        return back
 
     def targets(self) -> Mapping[str, float]:
         return {url: c.target for url, c in self._control.items() if c.target is not None}
