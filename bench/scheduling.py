@@ -11,6 +11,10 @@ long partition), in interleaved repeats. Reported per setting (medians):
   preempt         preemptions during the run
   p99 TTFT        99th percentile time to first token
   tail s          time from 90% to 100% of samples done
+  client CPU s    CPU time of this process (draftgen's client and scheduler) for the run
+
+Adaptive is compared with the best static setting as the ratio of medians and as the
+median of the ratios within each repeat (paired: machine drift between repeats cancels).
 
 Usage: python bench/scheduling.py [--kv-blocks 64 512] [--repeats 5] [--prompts 480]
        [--settings adaptive 150/32 c=32 ...]
@@ -108,9 +112,10 @@ async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
                     await asyncio.sleep(0.25)
 
             sampler = asyncio.create_task(sample_queue())
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             summary = await run_job(job, RunOptions(tmp / "out", progress=False))
             wall = time.monotonic() - t0
+            cpu = time.process_time() - cpu0
             done.set()
             await sampler
             after = await metrics(session, url)
@@ -128,10 +133,12 @@ async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
         "preempt": after["preempt"] - before["preempt"],
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "tail_s": ends[-1] - ends[int(0.9 * len(ends)) - 1],
+        "client_cpu_s": cpu,
     }
 
 
-async def bench(kv_blocks: int, repeats: int, n: int, settings: list[str]) -> dict[str, dict]:
+async def bench(kv_blocks: int, repeats: int, n: int,
+                settings: list[str]) -> dict[str, list[dict[str, float]]]:
     model = build_tiny_model(ROOT / ".cache" / "tiny-model")
     with LocalEngine(model, num_gpu_blocks_override=kv_blocks, max_model_len=2048,
                      log_path=ROOT / ".cache" / f"bench-sched-{kv_blocks}.log") as engine:
@@ -140,10 +147,15 @@ async def bench(kv_blocks: int, repeats: int, n: int, settings: list[str]) -> di
         for r in range(repeats):
             for s in settings:  # interleaved: noise hits every setting alike
                 results[s].append(await one_run(engine.url, n, s))
-                print(f"  kv={kv_blocks * 128} rep {r + 1} {s}: "
-                      f"{results[s][-1]['tok_s']:.0f} tok/s", file=sys.stderr, flush=True)
-    return {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
-            for s, rs in results.items()}
+                m = results[s][-1]
+                print(f"  kv={kv_blocks * 128} rep {r + 1} {s}: {m['tok_s']:.0f} tok/s, "
+                      f"{m['tok_step']:.2f} tok/step", file=sys.stderr, flush=True)
+    return results
+
+
+def paired(a: list[dict[str, float]], b: list[dict[str, float]], key: str) -> float:
+    """Median over repeats of a/b within each repeat: drift between repeats cancels."""
+    return statistics.median(x[key] / y[key] for x, y in zip(a, b, strict=True) if y[key])
 
 
 def main() -> None:
@@ -158,21 +170,27 @@ def main() -> None:
     print(f"scheduling bench — {platform.machine()}, Python {platform.python_version()}, "
           f"`python bench/scheduling.py {' '.join(sys.argv[1:])}`")
     for blocks in args.kv_blocks:
-        med = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings))
+        runs = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings))
+        med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+               for s, rs in runs.items()}
         statics = {s: m for s, m in med.items() if s != "adaptive"}
         best = max(statics, key=lambda s: statics[s]["tok_s"]) if statics else None
         print(f"\nKV {blocks * 128:,} tokens, {args.prompts} prompts, medians of "
               f"{args.repeats} interleaved repeats")
-        print("| setting | wall tok/s | tok/step | queue | preempt | p99 TTFT s | tail s |")
-        print("|---|---|---|---|---|---|---|")
+        print("| setting | wall tok/s | tok/step | queue | preempt | p99 TTFT s | tail s "
+              "| client CPU s |")
+        print("|---|---|---|---|---|---|---|---|")
         for s, m in med.items():
             print(f"| {s} | {m['tok_s']:,.0f} | {m['tok_step']:.2f} | {m['queue']:.1f} | "
-                  f"{m['preempt']:.0f} | {m['ttft_p99']:.2f} | {m['tail_s']:.1f} |")
+                  f"{m['preempt']:.0f} | {m['ttft_p99']:.2f} | {m['tail_s']:.1f} | "
+                  f"{m['client_cpu_s']:.1f} |")
         if best and "adaptive" in med and "150/32" in med:
             a, b, seed = med["adaptive"], statics[best], med["150/32"]
             print(f"\nadaptive vs best static ({best}): wall tok/s "
                   f"{a['tok_s'] / b['tok_s']:.2f}x, tok/step "
-                  f"{a['tok_step'] / b['tok_step']:.2f}x (targets >= 0.97x, >= 0.98x)")
+                  f"{a['tok_step'] / b['tok_step']:.2f}x (targets >= 0.97x, >= 0.98x); "
+                  f"paired per repeat: {paired(runs['adaptive'], runs[best], 'tok_s'):.2f}x, "
+                  f"{paired(runs['adaptive'], runs[best], 'tok_step'):.2f}x")
             r = {k: a[k] / seed[k] if seed[k] else float("nan") for k in a}
             print(f"adaptive vs 150/32: queue {r['queue']:.2f}x (<= 0.10), p99 TTFT "
                   f"{r['ttft_p99']:.2f}x (<= 0.10), preemptions {r['preempt']:.2f}x "
