@@ -24,7 +24,7 @@ def sample(i: int, part: str = "short", prompt: int = 100, max_tokens: int = 400
 
 
 def load(url: str, *, capacity: int | None = 1000, waiting: int = 0, preempt: int = 0,
-         usage: float | None = 0.5, running: int = 0) -> ServerLoad:
+         usage: float | None = 0.5, running: int = 1) -> ServerLoad:
     return ServerLoad(url=url, at=0.0, kv_capacity_tokens=capacity, kv_used_tokens=None,
                       kv_usage=usage, running=running, waiting=waiting,
                       preemptions_total=preempt, generation_tokens_total=None,
@@ -323,22 +323,6 @@ def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs(
     # rises to that, and the next one sent beyond it probes for more.
     sched.on_load(server, load("a", capacity=100_000, running=129, waiting=0, usage=0.3))
     assert len(q.fill([server])) == 129 + adaptive.SLOT_QUEUE - (128 + adaptive.SLOT_QUEUE)
-
-
-def test_until_the_running_limit_is_known_requests_go_a_step_beyond_the_most_seen() -> None:
-    sched, server, q, logs = roomy()
-    q.conc["short"] = 40
-    assert len(q.fill([server])) == 40  # nothing seen running yet: no bound but the cache's
-    q.conc["short"] = 150
-    sched.on_load(server, load("a", capacity=100_000, running=40, usage=0.1))
-    assert adaptive.PROBE_STEP == 1.125
-    assert len(q.fill([server])) == 6  # 40 × 1.125 + SLOT_QUEUE = 46 in flight
-    sched.on_load(server, load("a", capacity=100_000, running=46, usage=0.1))
-    assert len(q.fill([server])) == 53 - 46  # in flight < 46 × 1.125 + 1 = 52.75
-    # The server turns out to run 48 at once: 5 wait, not the ~100 a burst would have left.
-    sched.on_load(server, load("a", capacity=100_000, running=48, waiting=5, usage=0.1))
-    assert "runs at most 48 requests" in logs[-1]
-    assert sched.recall(server) == [f"short-{i}" for i in range(52, 48, -1)]
 
 
 def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -> None:

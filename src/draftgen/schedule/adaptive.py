@@ -25,11 +25,9 @@ of requests in flight, would take longest to drain, plus the length of its longe
 the longer answers drains earlier, so the run does not end in a tail of a few long requests.
 
 When the server's own limit on running requests binds (published by SGLang's /v1/loads,
-learned for vLLM), what was sent beyond limit + a short queue is called back: the newest
-requests that have not begun to answer go back to the front of their queue, to be sent when
-a slot frees, instead of waiting at the server. While the limit is unknown, what is sent
-goes at most a step (PROBE_STEP) beyond the most requests seen running at once, so the
-reading that finds the limit finds few beyond it.
+learned for vLLM), what was sent beyond limit + a short queue (a first burst before the
+limit was known) is called back: the newest requests that have not begun to answer go back
+to the front of their queue, to be sent when a slot frees, instead of waiting at the server.
 """
 
 from __future__ import annotations
@@ -55,9 +53,6 @@ PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
 # Requests sent beyond the server's own running limit, when that binds.
 SLOT_QUEUE = 1
-# While that limit is unknown, in flight may exceed the most requests seen running at once
-# by this factor: the reading that finds the limit then finds only a few waiting beyond it.
-PROBE_STEP = 1.125
 # Requests finished under the current target before it may rise: what a change does shows
 # only once the requests in flight have turned over.
 PUSH_EVIDENCE = 4
@@ -85,7 +80,6 @@ class _ServerControl:
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
-    most_running: int = 0  # the most requests seen running at once
 
     @property
     def target(self) -> float | None:
@@ -225,7 +219,6 @@ class AdaptiveScheduler(Scheduler):
         running, waiting = load.running, load.waiting
         if running is None or waiting is None:
             return
-        c.most_running = max(c.most_running, running)
         if c.max_running is not None and running > c.max_running:
             c.max_running = running
         elif room and waiting > QUEUE_OK and running and running != c.max_running:
@@ -248,11 +241,8 @@ class AdaptiveScheduler(Scheduler):
     # --- admission ------------------------------------------------------------------
 
     def _has_slot(self, server: ServerState) -> bool:
-        c = self.control(server.url)
-        if c.max_running is not None:
-            return server.in_flight < c.max_running + SLOT_QUEUE
-        # Unknown: probe a step beyond the most seen running (nothing seen: no bound).
-        return not c.most_running or server.in_flight < c.most_running * PROBE_STEP + SLOT_QUEUE
+        limit = self.control(server.url).max_running
+        return limit is None or server.in_flight < limit + SLOT_QUEUE
 
     def _free(self, server: ServerState) -> float:
         target = self.control(server.url).target
