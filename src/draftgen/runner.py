@@ -440,6 +440,8 @@ class Runner:
 
         def on_token(written: int) -> None:
             self.stats.token(written - flight.written)
+            if not flight.written:
+                self._wake.set()  # a first token may let the scheduler send more
             flight.written = written
             pool.progress(server)
 

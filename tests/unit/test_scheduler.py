@@ -52,13 +52,18 @@ class Queues:
                               q[0] if q else None, len(self.flight[k]))
                 for k, q in self.q.items()]
 
-    def fill(self, servers: list[ServerState]) -> list[tuple[str, str]]:
+    def fill(self, servers: list[ServerState], *,
+             answer: bool = True) -> list[tuple[str, str]]:
+        """Send until the scheduler waits; with `answer`, each request begins to answer
+        (its first token) before the next is picked."""
         admitted = []
         while (picked := self.sched.pick(self.views(), servers)) is not None:
             name, server = picked
             s = self.q[name].popleft()
             server.in_flight += 1
-            self.sched.started(s, server)
+            flight = self.sched.started(s, server)
+            if answer:
+                flight.written = 1
             self.flight[name].append((s, server))
             admitted.append((name, server.url))
         return admitted
@@ -325,22 +330,38 @@ def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs(
     assert len(q.fill([server])) == 129 + adaptive.SLOT_QUEUE - (128 + adaptive.SLOT_QUEUE)
 
 
+def test_requests_not_yet_answering_are_held_to_a_few_per_server() -> None:
+    sched, server, q, _ = roomy()
+    # Before anything answers, only a few go: the first burst arrives as fast as the
+    # server prefills, not all at once.
+    assert len(q.fill([server], answer=False)) == adaptive.UNANSWERED
+    assert q.fill([server], answer=False) == []
+    for s, _ in q.flight["short"][:5]:
+        sched.books.flights[s.id].written = 1  # five first tokens: five more may go
+    assert len(q.fill([server], answer=False)) == 5
+    other = ServerState("b")  # the window is per server
+    assert len(q.fill([server, other], answer=False)) == adaptive.UNANSWERED
+
+
 def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -> None:
     sched, server, q, logs = roomy()
-    q.fill([server])
+    q.fill([server], answer=False)
     assert sched.recall(server) == []  # no limit known yet
     for s, _ in q.flight["short"][:10]:
         sched.books.flights[s.id].written = 3  # these have begun to answer
-    sched.on_load(server, load("a", capacity=100_000, running=10, waiting=140, usage=0.2))
+    q.fill([server], answer=False)
+    assert server.in_flight == 10 + adaptive.UNANSWERED
+    sched.on_load(server, load("a", capacity=100_000, running=10,
+                               waiting=adaptive.UNANSWERED, usage=0.2))
     back = sched.recall(server)
-    # 150 in flight, room for 10 running + SLOT_QUEUE: the newest 139 come back, all but
-    # the ten that have begun to answer.
+    # Room for 10 running + SLOT_QUEUE: the newest of those not answering come back.
     assert adaptive.SLOT_QUEUE == 1
-    assert back == [f"short-{i}" for i in range(149, 10, -1)]
-    assert "calling back 139" in logs[-1]
+    newest = 10 + adaptive.UNANSWERED - 1
+    assert back == [f"short-{i}" for i in range(newest, 10, -1)]
+    assert f"calling back {len(back)}" in logs[-1]
     # Fewer waiting than sent beyond the limit: the rest may still be in prefill.
     sched.on_load(server, load("a", capacity=100_000, running=10, waiting=5, usage=0.2))
-    assert sched.recall(server) == ["short-149", "short-148", "short-147", "short-146"]
+    assert sched.recall(server) == [f"short-{i}" for i in range(newest, newest - 4, -1)]
 
 
 def test_a_published_running_limit_needs_no_learning() -> None:

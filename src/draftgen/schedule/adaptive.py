@@ -28,6 +28,11 @@ When the server's own limit on running requests binds (published by SGLang's /v1
 learned for vLLM), what was sent beyond limit + a short queue (a first burst before the
 limit was known) is called back: the newest requests that have not begun to answer go back
 to the front of their queue, to be sent when a slot frees, instead of waiting at the server.
+
+Before that limit is known, and whatever else binds, a server gets at most a few requests
+that have not begun to answer (`UNANSWERED`): each first token lets one more go. The first
+burst then reaches the server as fast as it prefills, instead of all at once, and what waits
+there when its limit is reached is a handful, not the whole overshoot.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
 # Requests sent beyond the server's own running limit, when that binds.
 SLOT_QUEUE = 1
+# Requests on a server that have not begun to answer (waiting or in prefill) at most.
+UNANSWERED = 16
 # Requests finished under the current target before it may rise: what a change does shows
 # only once the requests in flight have turned over.
 PUSH_EVIDENCE = 4
@@ -240,9 +247,16 @@ class AdaptiveScheduler(Scheduler):
 
     # --- admission ------------------------------------------------------------------
 
+    def _unanswered(self, url: str) -> list[Flight]:
+        """Requests on `url` in their first turn with no token yet, oldest first."""
+        return [f for f in self.books.flights.values()
+                if f.url == url and not f.written and not f.earlier]
+
     def _has_slot(self, server: ServerState) -> bool:
         limit = self.control(server.url).max_running
-        return limit is None or server.in_flight < limit + SLOT_QUEUE
+        if limit is not None and server.in_flight >= limit + SLOT_QUEUE:
+            return False
+        return len(self._unanswered(server.url)) < UNANSWERED
 
     def _free(self, server: ServerState) -> float:
         target = self.control(server.url).target
@@ -292,8 +306,7 @@ class AdaptiveScheduler(Scheduler):
         excess = min(server.in_flight - c.max_running, c.waiting or 0) - SLOT_QUEUE
         if excess <= 0:
             return []
-        back = [f.sample.id for f in reversed(self.books.flights.values())
-                if f.url == server.url and not f.written and not f.earlier][:excess]
+        back = [f.sample.id for f in reversed(self._unanswered(server.url))][:excess]
         if back:
             self._log(f"{server.url}: calling back {len(back)} request(s) waiting "
                       f"beyond its limit of {c.max_running} running")
