@@ -191,7 +191,9 @@ def main() -> None:
                 print(f"| {sched} | {names[url]} | {cap[url] / sum(cap.values()):.0%} | "
                       f"{r.samples[url]} | {r.tokens[url]:,} | {r.tokens[url] / total:.0%} | "
                       f"{r.preempt[url]:.0f} | {r.wall:.1f} |")
-        n = args.prompts * 2
+        # Enough that work is left when the small engine is back (its restart beside a
+        # busy engine takes about a minute, in which the big one does ~400 samples).
+        n = args.prompts * 3
         k = asyncio.run(kill_and_return(small, big, n))
         print(f"\nKill and return, {n} prompts: small engine SIGKILLed at {n // 4} done, "
               f"restarted on its port ({k.outage_s:.0f} s without it)\n")

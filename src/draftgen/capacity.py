@@ -19,14 +19,10 @@ time interpolated linearly between them and extrapolated from the last two.
   and 1/n of each partition's concurrency. Output lengths are drawn, seeded, from the
   measured lengths of the same category and partition (falling back to the category, the
   partition, all measurements, then half of max_tokens), capped at max_tokens. The client
-  keeps each partition's concurrency in flight; the engine takes waiting requests first
-  come first served while the cache has room for their prompt and one more step, every
-  running request then gains one token per step, and when the cache is full the newest
-  request is preempted (its tokens are kept and recomputed when it is admitted again), as
-  vLLM does and close to SGLang's retraction. The simulation jumps from event to event
-  (a request finishes, the cache fills), so 10^5 samples take well under a second. It sees
-  what an average cannot: the tail at the end of a run, when the last long requests decode
-  at a small batch, and a small partition that finishes early or late.
+  keeps each partition's concurrency in flight and the engine admits, decodes and preempts
+  as vLLM does (`simulate.py`). It sees what an average cannot: the tail at the end of a
+  run, when the last long requests decode at a small batch, and a small partition that
+  finishes early or late.
 
 Assumptions, each a source of error to keep in mind:
 
@@ -44,13 +40,12 @@ Assumptions, each a source of error to keep in mind:
 
 from __future__ import annotations
 
-import heapq
-import math
 import random
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+from draftgen.simulate import Totals, simulate
 
 # Default decode shape when nothing was measured: step time flat until about this batch,
 # then growing linearly (memory-bound decode turning compute-bound).
@@ -325,14 +320,14 @@ def predict(server: ServerCapacity, workload: Workload, *, seed: int = 0) -> Pre
     capped = [min(o, int(room - p)) for p, o in zip(workload.prompt_tokens, outputs,
                                                      strict=True)]
     finish: dict[int, float] = {}
-    totals = _Totals()
+    totals = Totals()
     n = server.servers
     for k in range(n):
         share = fit[k::n]
         if not share:
             continue
         caps = _split_caps(workload.concurrency, n, k)
-        _simulate(server, workload, share, capped, caps, finish, totals)
+        simulate(server, workload, share, capped, caps, finish, totals)
     return _summarise(server, workload, seed, outputs, capped, fit, finish, totals)
 
 
@@ -340,118 +335,8 @@ def _split_caps(concurrency: Mapping[str, int], n: int, k: int) -> dict[str, int
     return {p: max(1, c // n + (1 if k < c % n else 0)) for p, c in concurrency.items()}
 
 
-@dataclass(slots=True)
-class _Totals:
-    duration_s: float = 0.0
-    running_area: float = 0.0  # Σ running × seconds, over all servers
-    waiting_area: float = 0.0
-    steps: int = 0
-    preemptions: int = 0
-
-
-class _Req:
-    __slots__ = ("ctx", "i", "part", "rem", "s0")
-
-    def __init__(self, i: int, part: str, ctx: int, rem: int) -> None:
-        self.i = i
-        self.part = part
-        self.ctx = ctx  # tokens to (re)compute on admission: prompt + anything generated
-        self.rem = rem  # output tokens still to generate
-        self.s0 = 0  # the step it was (last) admitted at
-
-
-def _simulate(server: ServerCapacity, w: Workload, share: list[int], outputs: list[int],
-              caps: Mapping[str, int], finish: dict[int, float], totals: _Totals) -> None:
-    """One server's run, event to event. Updates `finish` (sample -> time) and `totals`."""
-    cap_kv = float(server.kv_tokens)
-    frag = (server.block_size - 1) / 2
-    max_running = server.max_running or len(share)
-    step_cache: dict[int, float] = {}
-    speed = server.speed
-    prefill_s = 1 / speed.prefill_tok_s if speed.prefill_tok_s else 0.0
-    queues: dict[str, deque[int]] = {}
-    for i in share:
-        queues.setdefault(w.partitions[i], deque()).append(i)
-    in_flight = dict.fromkeys(queues, 0)
-    waiting: deque[_Req] = deque()
-    # Insertion order is admission order: popitem() preempts the newest, as vLLM does.
-    running: dict[int, _Req] = {}
-    heap: list[tuple[int, int]] = []  # (finish step, admission serial); stale after preemption
-    serial = 0
-    s = 0
-    t = 0.0
-    base = 0.0  # Σ (ctx + frag - s0) over running: cache use at step s is base + batch·s
-    run_area = wait_area = 0.0
-    while True:
-        for part, q in queues.items():
-            while q and in_flight[part] < caps[part]:
-                i = q.popleft()
-                in_flight[part] += 1
-                waiting.append(_Req(i, part, w.prompt_tokens[i], outputs[i]))
-        batch = len(running)
-        used = base + batch * s
-        prefill = 0
-        while waiting and batch < max_running:
-            r = waiting[0]
-            need = r.ctx + frag
-            # Room for its prompt and one more step of everyone; alone it always fits.
-            if batch and used + need + batch + 1 > cap_kv:
-                break
-            waiting.popleft()
-            serial += 1
-            r.s0 = s
-            running[serial] = r
-            heapq.heappush(heap, (s + r.rem, serial))
-            base += need - s
-            used += need
-            batch += 1
-            prefill += r.ctx
-        if prefill and prefill_s:
-            dt = prefill * prefill_s
-            t += dt
-            run_area += batch * dt
-            wait_area += len(waiting) * dt
-        if not batch:
-            break  # nothing queued anywhere: every sample of this server is done
-        while heap[0][1] not in running:
-            heapq.heappop(heap)
-        fin_step = heap[0][0]
-        steps_to_full = max(0, math.floor((cap_kv - used) / batch))
-        k = min(fin_step - s, steps_to_full)
-        if k:
-            st = step_cache.get(batch)
-            if st is None:
-                st = step_cache[batch] = speed.step_s(batch)
-            dt = k * st
-            t += dt
-            s += k
-            run_area += batch * dt
-            wait_area += len(waiting) * dt
-        if s == fin_step:
-            while heap and heap[0][0] == s:
-                _, sid = heapq.heappop(heap)
-                r_done = running.pop(sid, None)
-                if r_done is None:
-                    continue
-                base -= r_done.ctx + frag - r_done.s0
-                in_flight[r_done.part] -= 1
-                finish[r_done.i] = t
-        else:
-            _, r = running.popitem()
-            base -= r.ctx + frag - r.s0
-            done = s - r.s0
-            r.ctx += done
-            r.rem -= done
-            waiting.appendleft(r)
-            totals.preemptions += 1
-    totals.duration_s = max(totals.duration_s, t)
-    totals.running_area += run_area
-    totals.waiting_area += wait_area
-    totals.steps += s
-
-
 def _summarise(server: ServerCapacity, w: Workload, seed: int, outputs: list[int],
-               capped: list[int], fit: list[int], finish: dict[int, float], totals: _Totals,
+               capped: list[int], fit: list[int], finish: dict[int, float], totals: Totals,
                ) -> Prediction:
     duration = totals.duration_s
     out_tok = sum(capped[i] for i in fit)

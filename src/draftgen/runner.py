@@ -1,8 +1,8 @@
 """The run loop: plan → open the store → admit → stream → record.
 
-One TaskGroup holds a dispatcher per partition and the request tasks; a dispatcher creates
-a request task only when its partition's concurrency and an up server allow, so a run of
-10^5 samples never holds more than the window of live requests. Outcomes go to the single
+One TaskGroup holds the dispatcher and the request tasks; the dispatcher creates a request
+task only when the scheduler picks a partition's next sample and an up server for it, so a
+run of 10^5 samples never holds more than the window of live requests. Outcomes go to the single
 writer. A request cut off by a server outage or hang goes back to the front of its queue
 without being charged a retry. A stop (signal, disk error, give-up) ends dispatch;
 in-flight requests get a grace period, then are cancelled and stay pending.

@@ -16,6 +16,7 @@ from draftgen.errors import JobChangedError
 from draftgen.export import ExportOptions, export_run
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
+from draftgen.schedule import adaptive
 from draftgen.status import read_status
 
 JOB = """
@@ -293,6 +294,36 @@ class SlotServer(FakeServer):
         finally:
             self.running -= 1
             self._slots.release()
+
+
+class PeakServer(SlotServer):
+    """Answers a first token at once, then takes a second to finish; counts the most
+    requests it held at once."""
+
+    def __init__(self) -> None:
+        super().__init__(slots=1000)
+        self.responder = lambda body: Reply(steps=[
+            chunk("x"), 1.0, *completion(["y"], completion_tokens=2).steps])
+        self.peak = 0
+
+    async def _play(self, request: Any, body: dict[str, Any]) -> Any:
+        if last_user(body) != "ping":
+            self.peak = max(self.peak, self.running + self.waiting + 1)
+        return await super()._play(request, body)
+
+
+async def test_a_first_token_lets_the_next_request_go_at_once(tmp_path: Path) -> None:
+    """The adaptive scheduler holds a server to a few requests that have not begun to
+    answer; each first token wakes the dispatcher, so the rest go before anything ends
+    (and long before the next load reading)."""
+    assert adaptive.UNANSWERED < 30
+    job = load_job(make_job(tmp_path, rows(30), conc=30,
+                            extra="scheduler: adaptive\npoll_interval_s: 30\n"))
+    async with PeakServer() as server:
+        opts = RunOptions(out_dir=tmp_path / "out", servers=[server.url], progress=False)
+        summary = await run_job(job, opts)
+    assert (summary.done, summary.failed) == (30, 0)
+    assert server.peak == 30
 
 
 async def test_requests_waiting_beyond_the_servers_running_limit_are_called_back(
