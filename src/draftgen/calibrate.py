@@ -15,7 +15,7 @@ Two sources:
   `vllm:generation_tokens_total` over the `vllm:iteration_tokens_total` count gives tokens
   per engine step, which is the real batch; wall time gives tok/s), otherwise from the
   streamed tokens. Prefill speed comes from time to first token of a long and a short
-  prompt; capacity from `vllm:cache_config_info` or SGLang's `/server_info`.
+  prompt; capacity from what the server says it runs with (`servers/info.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draftgen.capacity import DecodeSpeed, ServerCapacity
 from draftgen.client import ChatClient
 from draftgen.errors import RequestError, StoreError
+from draftgen.servers.info import ServerInfo, ServerInfoError, fetch_server_info
 from draftgen.status import current_entries
 from draftgen.store.shards import read_at
 
@@ -224,20 +225,6 @@ def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, list[dict[str,
     return values, labels
 
 
-def capacity_from_metrics(labels: Mapping[str, list[dict[str, str]]],
-                          ) -> tuple[int | None, int | None]:
-    """(kv tokens, block size) from vLLM's `cache_config_info` labels."""
-    for lab in labels.get("vllm:cache_config_info", []):
-        block = int(lab["block_size"]) if lab.get("block_size", "").isdigit() else None
-        kv = lab.get("kv_cache_size_tokens", "")
-        if kv.isdigit():
-            return int(kv), block
-        blocks = lab.get("num_gpu_blocks", "")  # older vLLM: no kv_cache_size_tokens label
-        if blocks.isdigit() and block:
-            return int(blocks) * block, block
-    return None, None
-
-
 @dataclass(frozen=True, slots=True)
 class LevelResult:
     concurrency: int
@@ -266,7 +253,7 @@ async def calibrate(url: str, model: str, *, concurrency_levels: Sequence[int] =
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     async with aiohttp.ClientSession(headers=headers) as http, \
             ChatClient(api_key=api_key) as client:
-        info = await server_info(http, base)
+        info = await _capacity(http, base)
         levels = []
         for c in concurrency_levels:
             levels.append(await _measure_level(http, client, base, model, c, max_tokens,
@@ -308,39 +295,32 @@ def _merge_points(points: Sequence[tuple[float, float]]) -> tuple[tuple[float, f
 
 
 @dataclass(frozen=True, slots=True)
-class ServerInfo:
+class Capacity:
+    """What a server says bounds its batch: KV tokens, their allocation unit, running limit."""
+
     kv_tokens: int | None
     block_size: int | None
     max_running: int | None
     note: str = ""
 
 
-async def server_info(http: aiohttp.ClientSession, base: str) -> ServerInfo:
-    """KV capacity, page size and running limit from vLLM /metrics or SGLang /server_info."""
-    text = await _get_text(http, base + "/metrics")
-    if text:
-        kv, block = capacity_from_metrics(parse_metrics(text)[1])
-        if kv:
-            return ServerInfo(kv, block, None)
-    info = await _get_json(http, base + "/server_info") or \
-        await _get_json(http, base + "/get_server_info")
-    if isinstance(info, dict):
-        return sglang_info(info)
-    return ServerInfo(None, None, None, "KV capacity not published by the server")
+def capacity_of(info: ServerInfo | None) -> Capacity:
+    """From what the server runs with (`servers.fetch_server_info`). SGLang with dp
+    attention has a cache and a batch per rank; the server counts as one with their sum."""
+    if info is None or not info.kv_tokens:
+        return Capacity(None, None, None, "KV capacity not published by the server")
+    block = info.args.get("block_size") or info.args.get("page_size") or 1
+    ranks = info.kv_tokens_per_rank
+    note = (f"{info.engine} dp {len(ranks)}: {ranks[0]:,} KV tokens per rank, counted as one "
+            "server with their sum") if info.engine == "sglang" and len(ranks) > 1 else ""
+    return Capacity(info.kv_tokens, int(block), info.max_running_requests, note)
 
 
-def sglang_info(info: Mapping[str, Any]) -> ServerInfo:
-    """SGLang's /server_info. Its capacity is per DP rank; with dp attention each rank has
-    its own cache and batch, and the server counts as one with their sum."""
-    if not info.get("max_total_num_tokens"):
-        return ServerInfo(None, None, None, "KV capacity not published by the server")
-    dp = int(info.get("dp_size") or 1)
-    per_rank = int(info["max_total_num_tokens"])
-    running = info.get("max_running_requests")
-    note = (f"SGLang dp_size {dp}: {per_rank:,} KV tokens per rank, counted as one server "
-            "with their sum") if dp > 1 else ""
-    return ServerInfo(per_rank * dp, int(info.get("page_size") or 1),
-                      int(running) * dp if running else None, note)
+async def _capacity(http: aiohttp.ClientSession, base: str) -> Capacity:
+    try:
+        return capacity_of(await fetch_server_info(http, base))
+    except ServerInfoError:
+        return capacity_of(None)
 
 
 async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
@@ -348,16 +328,6 @@ async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
         async with asyncio.timeout(10), http.get(url) as r:
             return await r.text() if r.status == 200 else None
     except (aiohttp.ClientError, TimeoutError):
-        return None
-
-
-async def _get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    text = await _get_text(http, url)
-    if text is None:
-        return None
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
         return None
 
 
@@ -465,17 +435,15 @@ async def _measure_prefill(client: ChatClient, base: str, model: str,
 
 
 __all__ = [
+    "Capacity",
     "LevelResult",
     "Measured",
-    "ServerInfo",
     "calibrate",
-    "capacity_from_metrics",
+    "capacity_of",
     "concurrency_levels_for",
     "decode_intervals",
     "measure_from_run",
     "parse_metrics",
-    "server_info",
-    "sglang_info",
     "speed_from_intervals",
     "speed_from_records",
 ]

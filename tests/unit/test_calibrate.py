@@ -16,15 +16,16 @@ from fakeserver import DONE, chunk, usage
 from draftgen.calibrate import (
     Measured,
     calibrate,
-    capacity_from_metrics,
+    capacity_of,
     concurrency_levels_for,
     decode_intervals,
     measure_from_run,
     parse_metrics,
-    sglang_info,
     speed_from_intervals,
 )
 from draftgen.capacity import DecodeSpeed
+from draftgen.servers.sglang import parse_server_info
+from draftgen.servers.vllm import parse_info
 from draftgen.store.ledger import LedgerEntry
 from draftgen.store.run_store import entry_for
 from draftgen.store.shards import ShardWriter
@@ -137,12 +138,13 @@ vllm:generation_tokens_total{engine="0",model_name="tiny"} 1796.0
 
 
 def test_metrics_parsing_and_vllm_capacity() -> None:
-    values, labels = parse_metrics(VLLM_METRICS)
+    values, _ = parse_metrics(VLLM_METRICS)
     assert values["vllm:generation_tokens_total"] == 1796
-    assert capacity_from_metrics(labels) == (8192, 128)
+    cap = capacity_of(parse_info("http://a", VLLM_METRICS))
+    assert (cap.kv_tokens, cap.block_size, cap.max_running) == (8192, 128, None)
     newer = VLLM_METRICS.replace('engine="0",num', 'engine="0",kv_cache_size_tokens="9000",num')
-    assert capacity_from_metrics(parse_metrics(newer)[1]) == (9000, 128)
-    assert capacity_from_metrics({}) == (None, None)
+    assert capacity_of(parse_info("http://a", newer)).kv_tokens == 9000
+    assert capacity_of(None).kv_tokens is None
 
 
 class FakeEngine:
@@ -232,11 +234,12 @@ async def test_calibrate_reads_the_engine_batch_and_capacity(engine: FakeEngine)
 
 
 def test_sglang_server_info_gives_capacity_page_and_running_limit() -> None:
-    info = sglang_info({"max_total_num_tokens": 376_000, "page_size": 1, "dp_size": 2,
-                        "max_running_requests": 512})
-    assert (info.kv_tokens, info.block_size, info.max_running) == (752_000, 1, 1024)
-    assert "dp_size 2" in info.note
-    assert sglang_info({"tp_size": 8}).kv_tokens is None
+    info = parse_server_info("http://a", {"max_total_num_tokens": 376_000, "page_size": 1,
+                                          "dp_size": 2, "max_running_requests": 512})
+    cap = capacity_of(info)
+    assert (cap.kv_tokens, cap.block_size, cap.max_running) == (752_000, 1, 512)
+    assert "dp 2" in cap.note
+    assert capacity_of(parse_server_info("http://a", {"tp_size": 8})).kv_tokens is None
 
 
 def test_concurrency_levels_reach_the_jobs_concurrency() -> None:
