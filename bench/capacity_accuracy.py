@@ -105,7 +105,7 @@ def write_job(path: Path, job: dict[str, Any]) -> JobSpec:
 
 def engine_counters(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        return parse_metrics(r.read().decode())[0]
+        return parse_metrics(r.read().decode())
 
 
 async def sample_engine(url: str, stop: asyncio.Event, into: list[dict[str, float]]) -> None:

@@ -214,15 +214,13 @@ def _capacity_from_series(path: Path) -> tuple[int | None, int | None]:
 
 # --- from a live server ---------------------------------------------------------------
 
-def parse_metrics(text: str) -> tuple[dict[str, float], dict[str, list[dict[str, str]]]]:
-    """Prometheus text -> (sample name -> value summed over label sets, name -> labels)."""
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> sample name -> value summed over label sets."""
     values: dict[str, float] = {}
-    labels: dict[str, list[dict[str, str]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             values[s.name] = values.get(s.name, 0.0) + float(s.value)
-            labels.setdefault(s.name, []).append(dict(s.labels))
-    return values, labels
+    return values
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,7 +331,7 @@ async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
 
 async def _engine_counters(http: aiohttp.ClientSession, base: str) -> dict[str, float]:
     text = await _get_text(http, base + "/metrics")
-    return parse_metrics(text)[0] if text else {}
+    return parse_metrics(text) if text else {}
 
 
 _GEN = "vllm:generation_tokens_total"

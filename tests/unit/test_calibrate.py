@@ -138,7 +138,7 @@ vllm:generation_tokens_total{engine="0",model_name="tiny"} 1796.0
 
 
 def test_metrics_parsing_and_vllm_capacity() -> None:
-    values, _ = parse_metrics(VLLM_METRICS)
+    values = parse_metrics(VLLM_METRICS)
     assert values["vllm:generation_tokens_total"] == 1796
     cap = capacity_of(parse_info("http://a", VLLM_METRICS))
     assert (cap.kv_tokens, cap.block_size, cap.max_running) == (8192, 128, None)
