@@ -309,8 +309,8 @@ def capacity_of(info: ServerInfo | None) -> Capacity:
         return Capacity(None, None, None, "KV capacity not published by the server")
     block = info.args.get("block_size") or info.args.get("page_size") or 1
     ranks = info.kv_tokens_per_rank
-    note = (f"{info.engine} dp {len(ranks)}: {ranks[0]:,} KV tokens per rank, counted as one "
-            "server with their sum") if info.engine == "sglang" and len(ranks) > 1 else ""
+    note = (f"SGLang dp {len(ranks)}: {ranks[0]:,} KV tokens per rank, counted as one server "
+            "with their sum") if info.engine == "sglang" and len(ranks) > 1 else ""
     return Capacity(info.kv_tokens, int(block), info.max_running_requests, note)
 
 
