@@ -47,7 +47,7 @@ from draftgen.serverpool import ServerState
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 2.0
-BACK_OFF_PREEMPT = 0.9
+BACK_OFF_PREEMPT = 0.93
 BACK_OFF_QUEUE = 0.95
 PUSH_UP = 1.05
 KV_TARGET = 0.95
