@@ -40,6 +40,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from draftgen.calibrate import parse_metrics
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
@@ -87,15 +88,10 @@ poll_interval_s: 0.5
 
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with session.get(f"{url}/metrics") as r:
-        text = await r.text()
+        values = parse_metrics(await r.text())
     want = {"vllm:generation_tokens_total": "gen", "vllm:iteration_tokens_total_count": "steps",
             "vllm:num_preemptions_total": "preempt"}
-    out = dict.fromkeys(want.values(), 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in want:
-            out[want[name]] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {short: values.get(name, 0.0) for name, short in want.items()}
 
 
 async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
