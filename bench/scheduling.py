@@ -35,6 +35,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -94,7 +96,9 @@ async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
     return {short: values.get(name, 0.0) for name, short in want.items()}
 
 
-async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
+@contextmanager
+def variant(setting: str) -> Iterator[None]:
+    """Constants of `draftgen.schedule.adaptive` as `adaptive@NAME=VALUE,...` sets them."""
     _, _, changes = setting.partition("@")
     saved = {}
     try:
@@ -102,10 +106,15 @@ async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
             name, _, value = change.partition("=")
             saved[name] = getattr(adaptive, name)  # an unknown name fails here
             setattr(adaptive, name, type(saved[name])(float(value)))
-        return await _measure(url, n, setting)
+        yield
     finally:
         for name, value in saved.items():
             setattr(adaptive, name, value)
+
+
+async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
+    with variant(setting):
+        return await _measure(url, n, setting)
 
 
 async def _measure(url: str, n: int, setting: str) -> dict[str, float]:
