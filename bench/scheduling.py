@@ -35,8 +35,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -88,12 +88,26 @@ poll_interval_s: 0.5
     return job
 
 
+FIGURES = {"vllm:generation_tokens_total": "gen", "vllm:iteration_tokens_total_count": "steps",
+           "vllm:num_preemptions_total": "preempt", "vllm:kv_cache_usage_perc": "kv",
+           "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+
+
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The engine's own figures, by short name (FIGURES)."""
     async with session.get(f"{url}/metrics") as r:
         values = parse_metrics(await r.text())
-    want = {"vllm:generation_tokens_total": "gen", "vllm:iteration_tokens_total_count": "steps",
-            "vllm:num_preemptions_total": "preempt"}
-    return {short: values.get(name, 0.0) for name, short in want.items()}
+    return {short: values.get(name, 0.0) for name, short in FIGURES.items()}
+
+
+@asynccontextmanager
+async def warm_engine(kv_blocks: int, log_name: str) -> AsyncIterator[str]:
+    """The local engine with `kv_blocks` KV blocks, warmed up by one small run; its URL."""
+    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
+    with LocalEngine(model, num_gpu_blocks_override=kv_blocks, max_model_len=2048,
+                     log_path=ROOT / ".cache" / f"{log_name}-{kv_blocks}.log") as engine:
+        await one_run(engine.url, 40, "c=16")
+        yield engine.url
 
 
 @contextmanager
@@ -162,14 +176,11 @@ async def _measure(url: str, n: int, setting: str) -> dict[str, float]:
 
 async def bench(kv_blocks: int, repeats: int, n: int,
                 settings: list[str]) -> dict[str, list[dict[str, float]]]:
-    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
-    with LocalEngine(model, num_gpu_blocks_override=kv_blocks, max_model_len=2048,
-                     log_path=ROOT / ".cache" / f"bench-sched-{kv_blocks}.log") as engine:
-        await one_run(engine.url, 40, "c=16")  # warm-up
+    async with warm_engine(kv_blocks, "bench-sched") as url:
         results: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
         for r in range(repeats):
             for s in settings:  # interleaved: noise hits every setting alike
-                results[s].append(await one_run(engine.url, n, s))
+                results[s].append(await one_run(url, n, s))
                 m = results[s][-1]
                 print(f"  kv={kv_blocks * 128} rep {r + 1} {s}: {m['tok_s']:.0f} tok/s, "
                       f"{m['tok_step']:.2f} tok/step", file=sys.stderr, flush=True)

@@ -18,16 +18,10 @@ import time
 from pathlib import Path
 
 import aiohttp
-from scheduling import ROOT, make_job, one_run, variant
+from scheduling import make_job, metrics, variant, warm_engine
 
-from draftgen.calibrate import parse_metrics
-from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
-
-FIGURES = {"vllm:generation_tokens_total": "gen", "vllm:iteration_tokens_total_count": "steps",
-           "vllm:kv_cache_usage_perc": "kv", "vllm:num_requests_running": "running",
-           "vllm:num_requests_waiting": "waiting", "vllm:num_preemptions_total": "preempt"}
 
 
 async def trace(url: str, setting: str, n: int, window_s: float = 2.0) -> None:
@@ -41,10 +35,7 @@ async def trace(url: str, setting: str, n: int, window_s: float = 2.0) -> None:
             async def poll() -> None:
                 t0 = time.monotonic()
                 while not done.is_set():
-                    async with session.get(f"{url}/metrics") as r:
-                        values = parse_metrics(await r.text())
-                    rows.append((time.monotonic() - t0,
-                                 {short: values.get(k, 0.0) for k, short in FIGURES.items()}))
+                    rows.append((time.monotonic() - t0, await metrics(session, url)))
                     await asyncio.sleep(0.25)
 
             poller = asyncio.create_task(poll())
@@ -73,12 +64,9 @@ async def main() -> None:
     ap.add_argument("--prompts", type=int, default=480)
     ap.add_argument("settings", nargs="+")
     args = ap.parse_args()
-    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
-    with LocalEngine(model, num_gpu_blocks_override=args.kv_blocks, max_model_len=2048,
-                     log_path=ROOT / ".cache" / f"trace-sched-{args.kv_blocks}.log") as engine:
-        await one_run(engine.url, 40, "c=16")  # warm-up
+    async with warm_engine(args.kv_blocks, "trace-sched") as url:
         for setting in args.settings:
-            await trace(engine.url, setting, args.prompts)
+            await trace(url, setting, args.prompts)
 
 
 if __name__ == "__main__":
