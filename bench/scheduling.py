@@ -1,9 +1,16 @@
 """Scheduling benchmark: adaptive vs static concurrency on the real local engine.
 
 For each KV size the engine is started once, then every setting runs the same job
-(several hundred prompts, output lengths random and unknown in advance: the tiny model
-ends answers through a logit bias on its end token, giving a long tail; a short and a
-long partition), in interleaved repeats. Reported per setting (medians):
+(several hundred prompts, a short and a long partition, output lengths random and unknown
+in advance), in interleaved repeats. Each prompt's answer length is drawn once, from a
+seeded exponential of mean 369 / 264 tokens cut at max_tokens 512 / 1,024 (answers of 257 /
+269 tokens on average, close to the 289 / 268 the tiny model writes when a logit bias of
+2.5 on its end token ends them), and enforced with `min_tokens` and a strong bias on the
+end token: every setting and repeat writes the same lengths (124,874 tokens for 480
+prompts), so what differs between runs is the scheduling, not the draw. The scheduler
+does not see them: it learns lengths from finished answers as in any run.
+`--lengths sampled` leaves the lengths to the model (the bias of 2.5 alone; the mean of
+120 long answers then moves by ~20% from run to run). Reported per setting (medians):
 
   wall tok/s      output tokens / wall time of the run
   tok/step        vLLM generation tokens per engine step (stable under CPU noise)
@@ -17,7 +24,7 @@ Adaptive is compared with the best static setting as the ratio of medians and as
 median of the ratios within each repeat (paired: machine drift between repeats cancels).
 
 Usage: python bench/scheduling.py [--kv-blocks 64 512] [--repeats 5] [--prompts 480]
-       [--settings adaptive 150/32 c=32 ...]
+       [--lengths fixed|sampled] [--settings adaptive 150/32 c=32 ...]
 A setting `adaptive@NAME=VALUE,...` runs adaptive with constants of
 `draftgen.schedule.adaptive` changed for its runs (e.g. `adaptive@BACK_OFF_PREEMPT=0.95`),
 to try a change interleaved with the rest; the ratios compare plain `adaptive`.
@@ -30,7 +37,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -38,23 +47,52 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import aiohttp
 import orjson
 
+from draftgen import sample as sample_module
 from draftgen.calibrate import parse_metrics
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
+from draftgen.sample import Sample
 from draftgen.schedule import adaptive
 from draftgen.schedule.load import LoadPoller
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["rivers", "primes", "sorting", "bread", "volcanoes", "chess", "tides", "glass"]
+MEAN_LENGTH = {"short": 369, "long": 264}  # the end-token bias of 2.5 gives these shapes
 
 
-def make_job(tmp: Path, url: str, n: int, setting: str) -> Path:
+def answer_length(sample: Sample) -> int:
+    """The answer length drawn for this prompt: the same in every run."""
+    u = random.Random(sample.id).random()
+    return max(1, math.ceil(-MEAN_LENGTH[sample.category] * math.log(1.0 - u)))
+
+
+@contextmanager
+def lengths(mode: str) -> Iterator[None]:
+    """With `fixed`, every request asks for at least its drawn length (`min_tokens`); the
+    job's strong end-token bias (make_job) then ends it right there."""
+    if mode == "sampled":
+        yield
+        return
+    plain = sample_module.request_body
+
+    def with_length(sample: Sample, *args: Any) -> dict[str, Any]:
+        body = plain(sample, *args)
+        body["min_tokens"] = min(answer_length(sample) - 1, sample.max_tokens)
+        return body
+
+    with mock.patch("draftgen.runner.request_body", with_length):
+        yield
+
+
+def make_job(tmp: Path, url: str, n: int, setting: str, mode: str = "fixed") -> Path:
     with open(tmp / "short.jsonl", "wb") as f:
         for i in range(n * 3 // 4):
             msg = {"role": "user", "content": f"Tell me about {TOPICS[i % 8]}, part {i}."}
@@ -70,12 +108,13 @@ def make_job(tmp: Path, url: str, n: int, setting: str) -> Path:
     else:
         c = int(setting.removeprefix("c="))
         sched, short_c, long_c = "static", c, max(1, round(c * 32 / 150))
+    bias = 2.5 if mode == "sampled" else 100
     job = tmp / "job.yaml"
     job.write_text(f"""
 model: tiny
 servers: [{url}]
 scheduler: {sched}
-sampling: {{temperature: 0.8, extra_body: {{logit_bias: {{"2": 2.5}}}}}}
+sampling: {{temperature: 0.8, extra_body: {{logit_bias: {{"2": {bias}}}}}}}
 partitions:
   short: {{max_tokens: 512, concurrency: {short_c}}}
   long: {{max_tokens: 1024, concurrency: {long_c}}}
@@ -126,15 +165,15 @@ def variant(setting: str) -> Iterator[None]:
             setattr(adaptive, name, value)
 
 
-async def one_run(url: str, n: int, setting: str) -> dict[str, float]:
-    with variant(setting):
-        return await _measure(url, n, setting)
+async def one_run(url: str, n: int, setting: str, mode: str = "fixed") -> dict[str, float]:
+    with variant(setting), lengths(mode):
+        return await _measure(url, n, setting, mode)
 
 
-async def _measure(url: str, n: int, setting: str) -> dict[str, float]:
+async def _measure(url: str, n: int, setting: str, mode: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        job = load_job(make_job(tmp, url, n, setting))
+        job = load_job(make_job(tmp, url, n, setting, mode))
         async with aiohttp.ClientSession() as session:
             poller = LoadPoller(session, url, clock=REAL_CLOCK)
             before = await metrics(session, url)
@@ -174,16 +213,18 @@ async def _measure(url: str, n: int, setting: str) -> dict[str, float]:
     }
 
 
-async def bench(kv_blocks: int, repeats: int, n: int,
-                settings: list[str]) -> dict[str, list[dict[str, float]]]:
+async def bench(kv_blocks: int, repeats: int, n: int, settings: list[str],
+                mode: str) -> dict[str, list[dict[str, float]]]:
     async with warm_engine(kv_blocks, "bench-sched") as url:
         results: dict[str, list[dict[str, float]]] = {s: [] for s in settings}
         for r in range(repeats):
             for s in settings:  # interleaved: noise hits every setting alike
-                results[s].append(await one_run(url, n, s))
+                results[s].append(await one_run(url, n, s, mode))
                 m = results[s][-1]
                 print(f"  kv={kv_blocks * 128} rep {r + 1} {s}: {m['tok_s']:.0f} tok/s, "
-                      f"{m['tok_step']:.2f} tok/step", file=sys.stderr, flush=True)
+                      f"{m['tok_step']:.2f} tok/step, queue {m['queue']:.1f}, "
+                      f"{m['preempt']:.0f} preempted, p99 TTFT {m['ttft_p99']:.2f} s",
+                      file=sys.stderr, flush=True)
     return results
 
 
@@ -197,6 +238,7 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=480)
+    ap.add_argument("--lengths", choices=["fixed", "sampled"], default="fixed")
     ap.add_argument("--settings", nargs="+",
                     default=["adaptive", "150/32", "c=4", "c=8", "c=16", "c=32", "c=64",
                              "c=128"])
@@ -204,7 +246,8 @@ def main() -> None:
     print(f"scheduling bench — {platform.machine()}, Python {platform.python_version()}, "
           f"`python bench/scheduling.py {' '.join(sys.argv[1:])}`")
     for blocks in args.kv_blocks:
-        runs = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings))
+        runs = asyncio.run(bench(blocks, args.repeats, args.prompts, args.settings,
+                                 args.lengths))
         med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]}
                for s, rs in runs.items()}
         statics = {s: m for s, m in med.items() if not s.startswith("adaptive")}

@@ -6,7 +6,8 @@ engine step, steps per second, KV usage, running and waiting requests, and the r
 of tokens per step (ramp, steady state and the final drain are told apart this way).
 
 Usage: python bench/trace_scheduling.py [--kv-blocks 64] [--prompts 480] SETTING [SETTING ...]
-with settings as in bench/scheduling.py (adaptive, adaptive@NAME=VALUE, 150/32, c=N).
+with settings as in bench/scheduling.py (adaptive, adaptive@NAME=VALUE, 150/32, c=N), and
+its fixed answer lengths.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from scheduling import make_job, metrics, variant, warm_engine
+from scheduling import lengths, make_job, metrics, variant, warm_engine
 
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
@@ -26,7 +27,7 @@ from draftgen.runner import RunOptions, run_job
 
 async def trace(url: str, setting: str, n: int, window_s: float = 2.0) -> None:
     rows: list[tuple[float, dict[str, float]]] = []
-    with variant(setting), tempfile.TemporaryDirectory() as d:
+    with variant(setting), lengths("fixed"), tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         job = load_job(make_job(tmp, url, n, setting))
         async with aiohttp.ClientSession() as session:

@@ -102,10 +102,26 @@ def test_lengths_survival_follows_the_answers_seen() -> None:
     assert ls.mean("c", 1000) == pytest.approx(50.5)
     assert ls.mean("c", 40) == 40.0  # never more than max_tokens
     # Of the answers longer than 50, half are longer than 75; none reach max_tokens 90.
-    assert ls.still_running("c", 1000, 50, [0, 25, 50]) == [1.0, 0.5, 0.0]
-    assert ls.still_running("c", 90, 50, [25, 40]) == [0.5, 0.0]
+    assert ls.still_running("c", 1000, 50, [0, 25, 50]) == pytest.approx([1.0, 0.5, 0.0])
+    assert ls.still_running("c", 90, 50, [25, 40]) == pytest.approx([0.5, 0.0])
     # Longer than every answer seen: expected to run on to max_tokens.
     assert ls.still_running("c", 1000, 150, [0, 849, 850]) == [1.0, 1.0, 0.0]
+
+
+def test_lengths_count_the_answers_still_running_as_longer_than_written_so_far() -> None:
+    ls = Lengths()
+    for n in range(1, 17):  # the first answers to finish are the short ones
+        ls.add("c", n)
+    assert ls.still_running("c", 1000, 0, [16]) == [0.0]  # finished ones alone: all short
+    # 16 more are still running, each past 100 tokens: half the answers run past 16.
+    ls.running({"c": [100] * 16})
+    assert ls.still_running("c", 1000, 0, [8, 16, 200]) == pytest.approx([0.75, 0.5, 0.5])
+    # Past every finished length the running ones say nothing ends: on to max_tokens.
+    assert ls.still_running("c", 1000, 50, [0, 949, 950]) == [1.0, 1.0, 0.0]
+    # The fallback to every category's answers counts every category's running ones.
+    assert ls.still_running("other", 1000, 0, [16]) == pytest.approx([0.5])
+    ls.running({})
+    assert ls.still_running("c", 1000, 0, [8, 16]) == pytest.approx([0.5, 0.0])
 
 
 def test_lengths_fall_back_from_category_to_all_to_prior_to_max_tokens() -> None:

@@ -132,6 +132,11 @@ class AdaptiveScheduler(Scheduler):
     def _projection(self, url: str) -> list[float]:
         c = self.control(url)
         if c.projection is None:
+            # The answers still being written, as at least as long as they are so far.
+            written: dict[str, list[int]] = {}
+            for f in self.books.flights.values():
+                written.setdefault(f.sample.category, []).append(f.earlier + f.written)
+            self.books.lengths.running(written)
             total = [0.0] * len(self._ahead)
             for f in self.books.flights.values():
                 if f.url == url:

@@ -9,12 +9,19 @@ still running at `g + h`", the survival ratio S(g + h) / S(g). Until enough answ
 finished, a cautious prior stands in: every answer runs to the mean that earlier runs
 recorded, or else to max_tokens; an answer longer than every one seen is expected to run
 on to max_tokens.
+
+The answers still being written count too: one that has reached `g` tokens says its
+length is more than `g` (right-censored), and S is the Kaplan-Meier product over the
+finished and the running ones. Without them, the first answers to finish are the shortest,
+and a run that learned only from those would expect every answer to be short and send far
+too many at its start.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 KEEP = 4096  # recent lengths kept per category: the distribution may drift during a run
@@ -36,9 +43,22 @@ class _Sorted:
             del self.xs[bisect_right(self.xs, old) - 1]
             self.total -= old
 
-    def over(self, x: float) -> int:
-        """How many kept lengths exceed x."""
-        return len(self.xs) - bisect_right(self.xs, x)
+
+def _kaplan_meier(ends: list[int], running: Sequence[int]) -> tuple[list[int], list[float]]:
+    """The survival curve P(length > t), as (t, S(t)) at each distinct finished length t,
+    from sorted finished lengths and sorted lengths reached by answers still running."""
+    times: list[int] = []
+    surv: list[float] = []
+    s, i, j = 1.0, 0, 0
+    while i < len(ends):
+        t = ends[i]
+        k = bisect_right(ends, t, i)
+        j = bisect_left(running, t, j)  # running answers shorter than t are not at risk
+        s *= 1.0 - (k - i) / (len(ends) - i + len(running) - j)
+        times.append(t)
+        surv.append(s)
+        i = k
+    return times, surv
 
 
 @dataclass(slots=True)
@@ -54,6 +74,14 @@ class Lengths:
         self._by_cat: dict[str, _Sorted] = {}
         self._all = _Sorted()
         self._prior: dict[str, _Prior] = {}
+        self._running: dict[str, list[int]] = {}  # per category, sorted
+        # Survival curves built since the last change; the key None: every category's.
+        self._curves: dict[str | None, tuple[list[int], list[float]]] = {}
+
+    def running(self, written: Mapping[str, Sequence[int]]) -> None:
+        """The tokens written so far by every answer still running, per category."""
+        self._running = {c: sorted(xs) for c, xs in written.items() if xs}
+        self._curves.clear()
 
     def learn_prior(self, category: str, done: int, output_tokens: int) -> None:
         """Output lengths recorded by earlier runs (a count and a total) seed the mean."""
@@ -65,6 +93,7 @@ class Lengths:
     def add(self, category: str, output_tokens: int) -> None:
         self._by_cat.setdefault(category, _Sorted()).add(output_tokens)
         self._all.add(output_tokens)
+        self._curves.clear()
 
     @property
     def learned(self) -> bool:
@@ -76,6 +105,15 @@ class Lengths:
         if own is not None and len(own.xs) >= MIN_SAMPLES:
             return own
         return self._all if len(self._all.xs) >= MIN_SAMPLES else None
+
+    def _survival(self, category: str, learned: _Sorted) -> tuple[list[int], list[float]]:
+        key = category if learned is not self._all else None
+        curve = self._curves.get(key)
+        if curve is None:
+            running = (self._running.get(category, []) if key is not None
+                       else sorted(x for xs in self._running.values() for x in xs))
+            curve = self._curves[key] = _kaplan_meier(learned.xs, running)
+        return curve
 
     def mean(self, category: str, max_tokens: int) -> float:
         learned = self._learned(category)
@@ -107,8 +145,14 @@ class Lengths:
             if written < ends:
                 return [1.0 if h < ends - written else 0.0 for h in ahead]
             return [1.0 if h < left else 0.0 for h in ahead]
-        alive = learned.over(written)
-        if alive == 0:
+        times, surv = self._survival(category, learned)
+
+        def s(x: float) -> float:
+            i = bisect_right(times, x)
+            return surv[i - 1] if i else 1.0
+
+        alive = s(written)
+        if alive == 0.0:
             # Longer than every answer seen: assume it runs on to max_tokens.
             return [1.0 if h < left else 0.0 for h in ahead]
-        return [learned.over(written + h) / alive if h < left else 0.0 for h in ahead]
+        return [s(written + h) / alive if h < left else 0.0 for h in ahead]
