@@ -185,6 +185,28 @@ def test_a_request_that_has_written_more_is_expected_to_hold_more() -> None:
     assert q.fill([server]) == []
 
 
+def test_running_answers_keep_the_first_short_ones_from_inflating_admission(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def admitted() -> int:
+        sched = AdaptiveScheduler()
+        server = ServerState("a")
+        sched.on_load(server, load("a", capacity=4000))
+        q = Queues(sched, {"short": (150, [sample(i, prompt=10) for i in range(60)])})
+        first = len(q.fill([server]))
+        for f in sched.books.flights.values():
+            f.written = 100  # all still running, past 100 tokens
+        learn(sched, list(range(1, lengths.MIN_SAMPLES + 1)))  # others ended within 16
+        return first + len(q.fill([server]))
+
+    # Ten go out under the prior (each may run to max_tokens). Learned from the 16 short
+    # answers alone, a fresh request looks done within 16 tokens and the whole queue
+    # would follow; with the ten running ones counted, 10 of 26 answers run past 16
+    # tokens, and only one more fits.
+    assert admitted() == 11
+    monkeypatch.setattr(Lengths, "running", lambda self, written: None)
+    assert admitted() == 60
+
+
 def test_footprints_round_up_to_the_servers_kv_blocks() -> None:
     sched = AdaptiveScheduler()
     server = ServerState("a")
