@@ -80,8 +80,10 @@ class Lengths:
 
     def running(self, written: Mapping[str, Sequence[int]]) -> None:
         """The tokens written so far by every answer still running, per category."""
-        self._running = {c: sorted(xs) for c, xs in written.items() if xs}
-        self._curves.clear()
+        running = {c: sorted(xs) for c, xs in written.items() if xs}
+        if running != self._running:  # told again per server: rebuild curves only on change
+            self._running = running
+            self._curves.clear()
 
     def learn_prior(self, category: str, done: int, output_tokens: int) -> None:
         """Output lengths recorded by earlier runs (a count and a total) seed the mean."""
