@@ -53,13 +53,12 @@ from unittest import mock
 import aiohttp
 import orjson
 
-from draftgen import sample as sample_module
 from draftgen.calibrate import parse_metrics
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
 from draftgen.runner import RunOptions, run_job
-from draftgen.sample import Sample
+from draftgen.sample import Sample, request_body
 from draftgen.schedule import adaptive
 from draftgen.schedule.load import LoadPoller
 
@@ -81,10 +80,9 @@ def lengths(mode: str) -> Iterator[None]:
     if mode == "sampled":
         yield
         return
-    plain = sample_module.request_body
 
     def with_length(sample: Sample, *args: Any) -> dict[str, Any]:
-        body = plain(sample, *args)
+        body = request_body(sample, *args)
         body["min_tokens"] = min(answer_length(sample) - 1, sample.max_tokens)
         return body
 
