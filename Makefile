@@ -21,9 +21,14 @@ setup: $(STAMP)
 demo: setup
 	$(BIN)/python scripts/demo.py
 
+# ruff and mypy; the architecture's import contracts (pyproject.toml, [tool.importlinter]);
+# no undeclared or unused dependency; every section and command the README names exists.
 lint: setup
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/deptry src
+	$(BIN)/python scripts/check_docs.py
 
 unit: setup
 	$(BIN)/pytest tests/unit

@@ -2,13 +2,13 @@
 
 On the real local engine (vLLM CPU, the tiny model), for each KV size:
 
-1. calibrate the server (`draftgen.calibrate.calibrate`: decode speed at several
+1. calibrate the server (`draftgen.planning.calibrate.calibrate`: decode speed at several
    concurrencies, prefill speed, KV capacity and block size from /metrics);
-2. predict the bench job (`draftgen.capacity.predict`) with output lengths measured by a
+2. predict the bench job (`draftgen.planning.capacity.predict`) with output lengths measured by a
    pilot run (`measure_from_run`; each prompt once, ~200 samples: the tiny model's lengths
    are random, so they are an independent sample of the distribution), as
    `draftgen plan JOB --from-run PILOT --server URL` would;
-3. run the job for real (`draftgen.runner.run_job`, static concurrency high enough that the
+3. run the job for real (`draftgen.running.runner.run_job`, static concurrency high enough that the
    engine, not the client, decides how many run), and compare.
 
 The job: the demo's prompts × 3 samples (~650), outputs made long-tailed by a bias on the
@@ -43,14 +43,16 @@ from typing import Any
 import orjson
 import yaml
 
-from draftgen.calibrate import Measured, calibrate, measure_from_run, parse_metrics
-from draftgen.capacity import Prediction, Workload, predict
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import JobSpec, load_job
-from draftgen.plan import build_plan
-from draftgen.runner import RunOptions, run_job
+from draftgen.planning.calibrate import calibrate, parse_metrics
+from draftgen.planning.capacity import Prediction, predict
+from draftgen.planning.measured import Measured, measure_from_run
+from draftgen.planning.plan import build_plan
+from draftgen.planning.workload import Workload
+from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, base_body
-from draftgen.status import current_entries
+from draftgen.store.reading import current_entries
 from draftgen.store.shards import read_at
 
 ROOT = Path(__file__).resolve().parent.parent

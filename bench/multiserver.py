@@ -37,7 +37,7 @@ import orjson
 
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
+from draftgen.running.runner import RunOptions, run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))

@@ -25,7 +25,7 @@ from pathlib import Path
 import orjson
 
 from draftgen.engine import EngineError, LocalEngine, build_tiny_model
-from draftgen.quality.probe import (
+from draftgen.probe import (
     ProbeResult,
     ProbeThresholds,
     format_report,

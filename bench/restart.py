@@ -24,7 +24,7 @@ from pathlib import Path
 import orjson
 
 from draftgen.job import load_job
-from draftgen.plan import build_plan
+from draftgen.planning.plan import build_plan
 from draftgen.sample import Record, Turn
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter

@@ -53,11 +53,11 @@ from unittest import mock
 import aiohttp
 import orjson
 
-from draftgen.calibrate import parse_metrics
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
+from draftgen.planning.calibrate import parse_metrics
+from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, request_body
 from draftgen.schedule import adaptive
 from draftgen.schedule.load import LoadPoller
@@ -86,7 +86,7 @@ def lengths(mode: str) -> Iterator[None]:
         body["min_tokens"] = min(answer_length(sample) - 1, sample.max_tokens)
         return body
 
-    with mock.patch("draftgen.runner.request_body", with_length):
+    with mock.patch("draftgen.running.request.request_body", with_length):
         yield
 
 

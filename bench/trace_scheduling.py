@@ -22,7 +22,7 @@ import aiohttp
 from scheduling import lengths, make_job, metrics, variant, warm_engine
 
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
+from draftgen.running.runner import RunOptions, run_job
 
 
 async def trace(url: str, setting: str, n: int, window_s: float = 2.0) -> None:

@@ -69,7 +69,7 @@ def plan(
 ) -> None:
     """Read every source, apply caps and dedup, and show what a run would generate; with
     --server or --from-run, how long it will take and what fits a --budget."""
-    from draftgen.plan import build_plan
+    from draftgen.planning.plan import build_plan
 
     job = _load(job_file)
     try:
@@ -96,8 +96,8 @@ def plan(
             raise _fail(JobError("--budget, --kv-tokens, --servers and --write-job need "
                                  "--server URL or --from-run OUT"))
         return
-    from draftgen.forecast import forecast, measure, parse_duration
     from draftgen.job import read_api_key
+    from draftgen.planning.forecast import forecast, measure, parse_duration
 
     try:
         budget_s = parse_duration(budget) if budget else None
@@ -112,7 +112,7 @@ def plan(
         if write_job is not None:
             if fc.caps is None:
                 raise JobError("--write-job needs --budget")
-            from draftgen.budget import write_job_with_caps
+            from draftgen.planning.budget import write_job_with_caps
 
             print(f"wrote {write_job_with_caps(job_file, fc.caps.caps, write_job)}")
     except DraftgenError as e:
@@ -138,12 +138,12 @@ def run(
         help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port)")] = None,
 ) -> None:
     """Generate every pending sample of the job; safe to run again to resume."""
-    from draftgen.runner import RunOptions, run_job
+    from draftgen.running.runner import RunOptions, run_job
 
     job = _load(job_file)
     out_dir = out or job.resolve(job.output)
     if detach:
-        from draftgen.detach import LOG, start_detached
+        from draftgen.running.detach import LOG, start_detached
 
         args = [str(job_file.resolve()), "--grace", str(grace),
                 *(f for url in server or () for f in ("--server", url)),
@@ -177,7 +177,7 @@ def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
          timeout: Annotated[float, typer.Option(help="seconds to wait for it to stop")] = 120,
          ) -> None:
     """Stop a run (detached or not) gracefully: in-flight requests finish first."""
-    from draftgen.detach import stop_run
+    from draftgen.running.detach import stop_run
 
     try:
         stopped = stop_run(out_dir, timeout_s=timeout)
@@ -190,7 +190,7 @@ def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
 def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Show what a run directory holds (while it runs or after)."""
-    from draftgen.status import CategoryStatus, RunStatus, read_status
+    from draftgen.reporting.status import CategoryStatus, RunStatus, read_status
 
     try:
         st = read_status(out_dir)
@@ -254,12 +254,12 @@ def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
                help="training max_length to warn about (SpecForge's default: 2048)")] = 2048,
            plots: Annotated[bool, typer.Option(help="also draw PNG plots")] = False) -> None:
     """Write the dataset card (OUT/DATASET_CARD.md) and, with --plots, PNG plots."""
-    from draftgen.card import write_card
+    from draftgen.reporting.card import write_card
 
     try:
         print(write_card(out_dir, max_length=max_length))
         if plots:
-            from draftgen.plots import draw_plots
+            from draftgen.reporting.plots import draw_plots
 
             for p in draw_plots(out_dir, out_dir / "plots"):
                 print(p)
@@ -294,7 +294,7 @@ def probe(
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Measure how far a candidate server drifts from a reference on the same model."""
-    from draftgen.quality.probe import probe_command
+    from draftgen.probe import probe_command
 
     raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
                                    json_out, model=model))

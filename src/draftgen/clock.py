@@ -67,3 +67,15 @@ class FakeClock:
         self.sleeps.append(s)
         self._now += max(0.0, s)
         await asyncio.sleep(0)
+
+
+def format_duration(s: float | None) -> str:
+    """A duration for people: 1d01h, 1h01m, 4m05s; "?" when unknown."""
+    if s is None:
+        return "?"
+    s = int(s)
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s"

@@ -11,13 +11,15 @@ from pathlib import Path
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from draftgen.calibrate import calibrate, measure_from_run
-from draftgen.capacity import Workload, predict
 from draftgen.engine import LocalEngine
 from draftgen.job import load_job
-from draftgen.metrics import MetricsExporter
-from draftgen.plan import build_plan
-from draftgen.runner import Runner, RunOptions
+from draftgen.planning.calibrate import calibrate
+from draftgen.planning.capacity import predict
+from draftgen.planning.measured import measure_from_run
+from draftgen.planning.plan import build_plan
+from draftgen.planning.workload import Workload
+from draftgen.running.metrics import MetricsExporter
+from draftgen.running.runner import Runner, RunOptions
 
 
 def write_job(tmp: Path, n: int) -> Path:

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from draftgen.job import load_job
-from draftgen.plan import build_plan
+from draftgen.planning.plan import build_plan
 
 
 def test_a_local_hf_dataset_is_planned_like_any_source(

@@ -14,8 +14,9 @@ import pytest
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
-from draftgen.schedule.load import FIELDS, LoadPoller, ServerLoad
+from draftgen.running.runner import RunOptions, run_job
+from draftgen.schedule.load import LoadPoller
+from draftgen.schedule.readings import FIELDS, ServerLoad
 
 BLOCKS = 16
 REQUESTS = 24

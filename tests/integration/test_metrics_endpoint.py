@@ -12,7 +12,7 @@ from test_reliability import job_file
 
 from draftgen.engine import LocalEngine
 from draftgen.job import load_job
-from draftgen.runner import Runner, RunOptions
+from draftgen.running.runner import Runner, RunOptions
 
 
 async def test_metrics_are_served_during_a_run(local_engine: LocalEngine, tmp_path: Path) -> None:

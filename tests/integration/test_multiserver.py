@@ -57,7 +57,9 @@ poll_interval_s: 0.5
     run = subprocess.Popen([*PY, "run", str(job)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: ledger_lines(out) >= N // 2)
+        # A third, not half: the ledger is committed in groups, and on a busy disk one group
+        # can hold the rest of the run, leaving nothing to finish after the kill.
+        wait_for(lambda: ledger_lines(out) >= N // 3)
         killed_at = time.time()
         small.kill()
         stdout, stderr = run.communicate(timeout=600)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from draftgen.engine import LocalEngine
-from draftgen.quality.probe import ProbeResult, ProbeThresholds, load_prompts, run_probe
+from draftgen.probe import ProbeResult, ProbeThresholds, load_prompts, run_probe
 
 N_PROMPTS = 20
 MAX_TOKENS = 32

@@ -22,8 +22,9 @@ from test_pipeline import PY, draftgen, shard_records
 
 from draftgen.engine import LocalEngine
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
-from draftgen.testing.faultproxy import FaultMix, FaultProxy
+from draftgen.running.runner import RunOptions, run_job
+from draftgen.testing.faultproxy import FaultProxy
+from draftgen.testing.faults import FaultMix
 
 
 def job_file(tmp: Path, url: str, *, n: int, max_tokens: int, conc: int,

@@ -19,8 +19,8 @@ from draftgen.errors import JobError
 from draftgen.export import ExportOptions, export_run
 from draftgen.export.base import ExportContext
 from draftgen.export.tokens import TokensFormat, server_token_ids
+from draftgen.reporting.status import read_status
 from draftgen.sample import Message, Record, Sample, Turn
-from draftgen.status import read_status
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
 

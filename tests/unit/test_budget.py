@@ -9,11 +9,12 @@ import orjson
 import pytest
 import yaml
 
-from draftgen.budget import category_prompts, fit_caps, propose_caps, write_job_with_caps
-from draftgen.capacity import DecodeSpeed, ServerCapacity, Workload, predict
 from draftgen.errors import JobError
 from draftgen.job import load_job
-from draftgen.plan import build_plan
+from draftgen.planning.budget import category_prompts, fit_caps, propose_caps, write_job_with_caps
+from draftgen.planning.capacity import predict
+from draftgen.planning.plan import build_plan
+from draftgen.planning.workload import DecodeSpeed, ServerCapacity, Workload
 
 FLAT = DecodeSpeed(((1, 100.0), (1000, 100_000.0)))  # 10 ms a step at any batch
 SERVER = ServerCapacity(10**6, FLAT)
@@ -169,7 +170,7 @@ def test_writing_caps_for_unknown_categories_fails(tmp_path: Path) -> None:
 
 
 def test_fitting_needs_few_simulations(monkeypatch: pytest.MonkeyPatch) -> None:
-    import draftgen.budget as budget
+    import draftgen.planning.budget as budget
 
     rows, w = two_categories(2000)
     pred = predict(SERVER, w)

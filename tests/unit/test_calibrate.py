@@ -13,17 +13,19 @@ import pytest
 from aiohttp import web
 from fakeserver import DONE, chunk, usage
 
-from draftgen.calibrate import (
-    Measured,
+from draftgen.planning.calibrate import (
     calibrate,
     capacity_of,
     concurrency_levels_for,
+    parse_metrics,
+)
+from draftgen.planning.measured import (
+    Measured,
     decode_intervals,
     measure_from_run,
-    parse_metrics,
     speed_from_intervals,
 )
-from draftgen.capacity import DecodeSpeed
+from draftgen.planning.workload import DecodeSpeed
 from draftgen.servers.sglang import parse_server_info
 from draftgen.servers.vllm import parse_info
 from draftgen.store.ledger import LedgerEntry

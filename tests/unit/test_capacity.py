@@ -6,14 +6,8 @@ import random
 
 import pytest
 
-from draftgen.capacity import (
-    DecodeSpeed,
-    Prediction,
-    ServerCapacity,
-    Workload,
-    predict,
-    steady_state,
-)
+from draftgen.planning.capacity import Prediction, predict, steady_state
+from draftgen.planning.workload import DecodeSpeed, ServerCapacity, Workload
 
 FLAT = DecodeSpeed(((1, 100.0), (1000, 100_000.0)))  # 10 ms a step at any batch
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from draftgen import __version__
-from draftgen.card import CARD_NAME, collect, percentile, write_card
+from draftgen.reporting.card import CARD_NAME, collect, percentile, write_card
 from draftgen.sample import Failure, Message, Record, Sample, Turn
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter

@@ -23,8 +23,8 @@ from draftgen.quality.checks import (
     quality_flags,
     repetition_share,
 )
+from draftgen.reporting.status import read_status
 from draftgen.sample import Record, Sample, Turn
-from draftgen.status import read_status
 from draftgen.store import RunStore
 from draftgen.store.ledger import load_ledger
 from draftgen.store.run_store import LEDGER

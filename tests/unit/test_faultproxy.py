@@ -23,14 +23,8 @@ from fakeserver import DONE, chunk, usage
 
 from draftgen.client import ChatClient
 from draftgen.errors import RequestError, ServerDown, Transient
-from draftgen.testing.faultproxy import (
-    CHAT_PATH,
-    FAULT_KINDS,
-    FaultMix,
-    FaultPicker,
-    FaultProxy,
-    _EventSplitter,
-)
+from draftgen.testing.faultproxy import CHAT_PATH, FaultProxy, _EventSplitter
+from draftgen.testing.faults import FAULT_KINDS, FaultMix, FaultPicker
 
 CONTENT = [f"tok{i} " for i in range(30)]
 ENDLESS = "endless"  # model name that makes the upstream stream until the client goes away

@@ -14,9 +14,9 @@ from aiohttp import web
 
 from draftgen.clock import FakeClock
 from draftgen.engine import find_free_port
-from draftgen.schedule.load import (
+from draftgen.schedule.load import LoadPoller
+from draftgen.schedule.readings import (
     FIELDS,
-    LoadPoller,
     ServerLoad,
     read_prometheus,
     read_server_info,

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.clock import FakeClock
-from draftgen.metrics import MetricsExporter
+from draftgen.running.metrics import MetricsExporter
+from draftgen.running.stats import RunStats, Snapshot
 from draftgen.sample import Failure, Record, Turn
-from draftgen.stats import RunStats, Snapshot
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -122,7 +122,7 @@ def test_eta_is_absent_until_known() -> None:
 def test_server_load_in_the_snapshot_is_exported() -> None:
     import dataclasses
 
-    from draftgen.stats import ServerSnapshot as server_snapshot
+    from draftgen.running.stats import ServerSnapshot as server_snapshot
 
     snap = dataclasses.replace(snapshot(), servers=(
         server_snapshot(url="http://a", up=True, in_flight=3, capacity=8192, kv_usage=0.25,

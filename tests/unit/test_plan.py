@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from draftgen.job import JobSpec, load_job
-from draftgen.plan import Plan, build_plan, route
+from draftgen.planning.plan import Plan, build_plan, route
+from draftgen.planning.tokens import MESSAGE_OVERHEAD_TOKENS, TokenCounter
 from draftgen.sources import reason_code
-from draftgen.tokens import MESSAGE_OVERHEAD_TOKENS, TokenCounter
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job.yaml"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from draftgen.plots import PlotError, draw_plots, read_series
+from draftgen.reporting.plots import PlotError, draw_plots, read_series
 from draftgen.store.ledger import LedgerEntry
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -24,9 +24,7 @@ import pytest
 from aiohttp import web
 
 from draftgen.errors import JobError
-from draftgen.quality import probe as probe_module
-from draftgen.quality.probe import (
-    DEMO_PROMPTS_DIR,
+from draftgen.probe import (
     Position,
     ProbeError,
     ProbeThresholds,
@@ -37,7 +35,9 @@ from draftgen.quality.probe import (
     run_probe,
     topk_kl,
 )
-from draftgen.quality.probe_servers import Http, VllmServer
+from draftgen.probe import command as probe_module
+from draftgen.probe.command import DEMO_PROMPTS_DIR
+from draftgen.probe.servers import Http, VllmServer
 
 VOCAB = 48
 BOS = 1

@@ -9,7 +9,7 @@ import pytest
 
 from draftgen.clock import REAL_CLOCK, FakeClock
 from draftgen.errors import BadRequest, ContextTooLong, RequestError, ServerDown, Transient
-from draftgen.retry import Backoff, RetriesExhausted, with_retries
+from draftgen.running.retry import Backoff, RetriesExhausted, with_retries
 
 
 class Flaky:

@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from draftgen.cli import app
 from draftgen.export import ExportOptions, export_run
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
+from draftgen.reporting.status import read_status
+from draftgen.running.runner import RunOptions, run_job
 from draftgen.servers import QualityPolicyError
-from draftgen.status import read_status
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,7 +156,7 @@ def test_plan_from_a_run_predicts_and_caps_to_a_budget(tmp_path: Path) -> None:
 
 
 def test_durations_parse() -> None:
-    from draftgen.forecast import parse_duration
+    from draftgen.planning.forecast import parse_duration
 
     assert parse_duration("48h") == 172_800
     assert parse_duration("2d12h") == 216_000

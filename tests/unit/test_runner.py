@@ -15,9 +15,9 @@ from fakeserver import FakeServer, Reply, chunk, completion, error_reply, sse, u
 from draftgen.errors import JobChangedError
 from draftgen.export import ExportOptions, export_run
 from draftgen.job import load_job
-from draftgen.runner import RunOptions, run_job
+from draftgen.reporting.status import read_status
+from draftgen.running.runner import RunOptions, run_job
 from draftgen.schedule import adaptive
-from draftgen.status import read_status
 
 JOB = """
 model: fake

@@ -12,7 +12,7 @@ from fakeserver import STALL, FakeServer, Reply, chunk, completion, error_reply
 from test_runner import echo, last_user, make_job, rows, run
 
 from draftgen.errors import DiskError
-from draftgen.status import read_status
+from draftgen.reporting.status import read_status
 
 SECRET = "sk-test-5f2b9c0d1e"
 

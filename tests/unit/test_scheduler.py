@@ -12,9 +12,9 @@ from draftgen.schedule import adaptive, lengths
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import PartitionView, Scheduler
 from draftgen.schedule.lengths import Lengths
-from draftgen.schedule.load import ServerLoad
+from draftgen.schedule.pool import ServerState
+from draftgen.schedule.readings import ServerLoad
 from draftgen.schedule.static import StaticScheduler
-from draftgen.serverpool import ServerState
 
 
 def sample(i: int, part: str = "short", prompt: int = 100, max_tokens: int = 400,

@@ -3,10 +3,10 @@ from __future__ import annotations
 import asyncio
 import io
 
-from draftgen.clock import FakeClock
-from draftgen.progress import ProgressView, format_duration, plain_line, table
+from draftgen.clock import FakeClock, format_duration
+from draftgen.running.progress import ProgressView, plain_line, table
+from draftgen.running.stats import RunStats
 from draftgen.sample import Failure, Record, Turn
-from draftgen.stats import RunStats
 
 
 def record(cat: str, tokens: int, finish: str = "stop") -> Record:

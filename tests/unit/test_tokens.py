@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from draftgen.job import JobSpec
-from draftgen.tokens import ESTIMATE_LABEL, MESSAGE_OVERHEAD_TOKENS, TokenCounter
+from draftgen.planning.tokens import ESTIMATE_LABEL, MESSAGE_OVERHEAD_TOKENS, TokenCounter
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -84,9 +84,9 @@ def test_followups_count_as_more_user_messages(tokenizer_file: Path) -> None:
 def test_count_many_matches_one_at_a_time_across_chunks(
     tokenizer_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import draftgen.tokens
+    import draftgen.planning.tokens
 
-    monkeypatch.setattr(draftgen.tokens, "ENCODE_CHUNK_CHARS", 20)
+    monkeypatch.setattr(draftgen.planning.tokens, "ENCODE_CHUNK_CHARS", 20)
     prompts = [(msgs(f"the lazy dog {i}", "x" * i), [f"fox {i}"] * (i % 3)) for i in range(10)]
     for c in (TokenCounter.estimate(), TokenCounter.from_path(tokenizer_file)):
         assert c.count_many(prompts) == [c.count_prompt(m, f) for m, f in prompts]

@@ -53,7 +53,7 @@ class ChatTokenizer:
             from transformers import AutoTokenizer
         except ImportError:
             raise JobError(
-                "--format tokens needs the `transformers` package (pip install transformers)"
+                "--format tokens needs the `transformers` package: pip install 'draftgen[tokens]'"
             ) from None
         try:
             tok = AutoTokenizer.from_pretrained(str(name))

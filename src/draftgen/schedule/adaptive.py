@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from draftgen.sample import Sample
 from draftgen.schedule.base import Flight, PartitionView, Scheduler
-from draftgen.schedule.load import ServerLoad
-from draftgen.serverpool import ServerState
+from draftgen.schedule.pool import ServerState
+from draftgen.schedule.readings import ServerLoad
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 2.0

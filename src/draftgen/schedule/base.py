@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from draftgen.sample import Sample
 from draftgen.schedule.lengths import Lengths
-from draftgen.schedule.load import ServerLoad
-from draftgen.serverpool import ServerState
+from draftgen.schedule.pool import ServerState
+from draftgen.schedule.readings import ServerLoad
 
 
 @dataclass(slots=True)

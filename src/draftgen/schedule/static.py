@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from draftgen.schedule.base import PartitionView, Scheduler
-from draftgen.serverpool import ServerState
+from draftgen.schedule.pool import ServerState
 
 
 class StaticScheduler(Scheduler):

@@ -1,4 +1,5 @@
-"""Tools for testing draftgen against real engines: `faultproxy` injects HTTP faults.
+"""Tools for testing draftgen against real engines: `faultproxy` injects HTTP faults
+(`faults` decides which).
 
 Import from the submodule (`from draftgen.testing.faultproxy import FaultProxy`). Nothing
 is re-exported here on purpose: `python -m draftgen.testing.faultproxy` would otherwise

@@ -15,10 +15,8 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from draftgen.capacity import ServerCapacity, Workload
+from draftgen.planning.workload import ServerCapacity, Workload
 
 
 @dataclass(slots=True)

@@ -23,9 +23,9 @@ import orjson
 
 from draftgen import __version__
 from draftgen.quality.checks import ALL_FLAGS, TRUNCATION_FLAGS, check_turns, quality_flags
-from draftgen.status import current_entries
 from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
+from draftgen.store.reading import current_entries
 from draftgen.store.run_store import REJECTED, read_manifest
 from draftgen.store.shards import read_at
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftgen.errors import StoreError
-from draftgen.status import is_running, lock_pid
+from draftgen.store.reading import is_running, lock_pid
 
 LOG = "run.log"
 PID = "run.pid"

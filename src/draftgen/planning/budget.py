@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import yaml
 
-from draftgen.capacity import Prediction, predict
 from draftgen.errors import JobError
 from draftgen.job import JobSpec, load_job
+from draftgen.planning.capacity import Prediction, predict
 
 Mode = Literal["proportional", "priority"]
 _MAX_TRIALS = 24

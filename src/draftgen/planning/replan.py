@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from draftgen.job import JobSpec
-from draftgen.plan import Plan
+from draftgen.planning.plan import Plan
 from draftgen.sample import Rejected, Sample, base_body, body_digest, content_digest, fingerprint
 from draftgen.store import LedgerEntry
 

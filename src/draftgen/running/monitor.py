@@ -21,11 +21,12 @@ import aiohttp
 import orjson
 
 from draftgen.clock import Clock
-from draftgen.metrics import MetricsExporter
+from draftgen.running.metrics import MetricsExporter
+from draftgen.running.stats import RunStats, ServerSnapshot
 from draftgen.schedule.base import Scheduler
-from draftgen.schedule.load import LoadPoller, ServerLoad
-from draftgen.serverpool import ServerPool
-from draftgen.stats import RunStats, ServerSnapshot
+from draftgen.schedule.load import LoadPoller
+from draftgen.schedule.pool import ServerPool
+from draftgen.schedule.readings import ServerLoad
 from draftgen.store.atomic import write_atomic
 
 EVENTS = "events.jsonl"

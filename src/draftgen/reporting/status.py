@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,10 +10,9 @@ from typing import Any
 
 import orjson
 
-from draftgen.errors import StoreError
 from draftgen.quality.checks import quality_flags
-from draftgen.store.ledger import LedgerEntry, load_ledger
-from draftgen.store.run_store import LEDGER, LOCK, PLAN, REJECTED, read_manifest
+from draftgen.store.reading import current_entries, is_running, lock_pid
+from draftgen.store.run_store import REJECTED, read_manifest
 
 
 @dataclass(slots=True)
@@ -72,41 +70,6 @@ class RunStatus:
         d["runs"] = len(runs)
         d["last_run"] = runs[-1] if runs else None
         return d
-
-
-def is_running(out_dir: Path) -> bool:
-    try:
-        with open(out_dir / LOCK, "rb") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            return False
-    except FileNotFoundError:
-        return False
-
-
-def lock_pid(out_dir: Path) -> int | None:
-    """The pid the last run wrote into its lock file (meaningful while it is locked)."""
-    try:
-        return int((out_dir / LOCK).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def iter_plan(out_dir: Path) -> list[dict[str, Any]]:
-    try:
-        data = (out_dir / PLAN).read_bytes()
-    except FileNotFoundError:
-        raise StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})") from None
-    return [orjson.loads(line) for line in data.splitlines() if line]
-
-
-def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, LedgerEntry]]:
-    """The plan, and the ledger entries that still match it (same id and request)."""
-    plan = iter_plan(out_dir)
-    entries = load_ledger(out_dir / LEDGER, repair=False).entries
-    return plan, entries
 
 
 def read_status(out_dir: Path) -> RunStatus:

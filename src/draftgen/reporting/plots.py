@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from draftgen.errors import DraftgenError
-from draftgen.status import current_entries
+from draftgen.store.reading import current_entries
 
 SERIES = "timeseries.jsonl"
 _DPI = 110

@@ -11,18 +11,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from draftgen.stats import ServerSnapshot, Snapshot
-
-
-def format_duration(s: float | None) -> str:
-    if s is None:
-        return "?"
-    s = int(s)
-    if s >= 86400:
-        return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-    if s >= 3600:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 60}m{s % 60:02d}s"
+from draftgen.clock import format_duration
+from draftgen.running.stats import ServerSnapshot, Snapshot
 
 
 def server_text(s: ServerSnapshot) -> str:

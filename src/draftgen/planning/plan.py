@@ -16,9 +16,9 @@ from typing import Any
 
 from draftgen.gcpause import gc_paused
 from draftgen.job import Category, JobSpec, Partition
+from draftgen.planning.tokens import TokenCounter
 from draftgen.sample import Rejected, Sample, base_body, body_digest, content_digest, fingerprint
 from draftgen.sources import SourcePrompt, open_source, reason_code
-from draftgen.tokens import TokenCounter
 
 NO_PARTITION = "no_partition"
 KEY_HEX_CHARS = 12

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from draftgen.stats import Snapshot
+from draftgen.running.stats import Snapshot
 
 SAMPLE_STATES = ("planned", "done", "failed", "truncated", "pending")
 # Per-server fields, with the names `ServerSnapshot` and the load poller use as aliases.

@@ -14,13 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftgen.budget import CapPlan, fit_caps
-from draftgen.calibrate import Measured, calibrate, concurrency_levels_for, measure_from_run
-from draftgen.capacity import Prediction, Workload, predict
+from draftgen.clock import format_duration
 from draftgen.errors import JobError
 from draftgen.job import JobSpec
-from draftgen.plan import Plan
-from draftgen.progress import format_duration
+from draftgen.planning.budget import CapPlan, fit_caps
+from draftgen.planning.calibrate import calibrate, concurrency_levels_for
+from draftgen.planning.capacity import Prediction, predict
+from draftgen.planning.measured import Measured, measure_from_run
+from draftgen.planning.plan import Plan
+from draftgen.planning.workload import Workload
 from draftgen.sample import base_body
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -1,0 +1,97 @@
+"""Choosing which records to export, and writing them through a format.
+
+Records are read in plan order, the latest ledger entry per id, and only where its request
+fingerprint still matches the plan. Samples flagged by the output checks are left out
+unless asked for; truncation keeps its own rule (`include_truncated`). The file is written
+beside its destination and renamed into place, so a failed export leaves no half file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from draftgen.errors import JobError
+from draftgen.export import registry
+from draftgen.export.base import ExportContext, ExportOptions
+from draftgen.quality.checks import check_turns, quality_flags
+from draftgen.store.reading import current_entries
+from draftgen.store.run_store import read_manifest
+from draftgen.store.shards import read_at
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSummary:
+    to: Path
+    exported: int
+    failed: int
+    truncated: int
+    empty: int
+    pending: int
+    flagged: int = 0
+
+    def line(self) -> str:
+        return (f"exported {self.exported} samples to {self.to}; left out: {self.failed} failed, "
+                f"{self.truncated} truncated, {self.flagged} flagged, {self.empty} empty, "
+                f"{self.pending} pending")
+
+
+
+def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
+    formats = registry.formats()
+    fmt = formats.get(opts.format)
+    if fmt is None:
+        raise JobError(f"--format: {opts.format!r} is not one of {sorted(formats)}")
+    plan, entries = current_entries(out_dir)
+    manifest = read_manifest(out_dir)
+    fmt.prepare(ExportContext(out_dir, manifest), opts)
+    # Partitions whose job says `truncation: keep`: their truncated samples are exported,
+    # tagged `"truncated": true`.
+    keep = {name for name, p in ((manifest.get("job") or {}).get("partitions") or {}).items()
+            if p.get("truncation") == "keep"}
+    counts = {"failed": 0, "truncated": 0, "empty": 0, "pending": 0, "exported": 0,
+              "flagged": 0}
+    files: dict[str, BinaryIO] = {}
+
+    def rows() -> Iterator[dict[str, Any]]:
+        for p in plan:
+            e = entries.get(p["id"])
+            if e is None or e.fp != p["fingerprint"]:
+                counts["pending"] += 1
+            elif e.status != "done" or e.shard is None:
+                counts["failed"] += 1
+            elif e.trunc and not (opts.include_truncated or e.part in keep):
+                counts["truncated"] += 1
+            else:
+                rec = read_at(out_dir, e.shard, e.off, e.len, files)
+                if not all((t["content"] or "").strip() for t in rec["turns"]):
+                    counts["empty"] += 1
+                    continue
+                # Ledgers written before the checks existed carry no flags: check now.
+                flags = e.flags if e.flags is not None else check_turns(rec["turns"])
+                if quality_flags(flags) and not opts.include_flagged:
+                    counts["flagged"] += 1
+                    continue
+                counts["exported"] += 1
+                row = fmt.row(rec, opts)
+                if e.trunc:
+                    row["truncated"] = True
+                yield row
+
+    to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = to.with_name(f".{to.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fmt.write(rows(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, to)
+    finally:
+        for fh in files.values():
+            fh.close()
+        tmp.unlink(missing_ok=True)
+    return ExportSummary(to, counts["exported"], counts["failed"], counts["truncated"],
+                         counts["empty"], counts["pending"], counts["flagged"])

@@ -1,0 +1,135 @@
+"""One request's life: send it, stream it, retry what is transient, go back to the queue
+when its server is cut off, and hand the outcome to the writer.
+
+A request cut off by a server outage or hang goes back to the front of its partition's
+queue without being charged a retry, up to `client.max_outage_requeues` outages per sample;
+after that an outage counts like any transient error. Multi-turn samples send each
+follow-up turn after the previous answer; a truncated answer ends the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+from draftgen.client import ChatClient
+from draftgen.clock import Clock
+from draftgen.errors import RequestError, ServerDown
+from draftgen.job import JobSpec
+from draftgen.running.retry import Backoff, with_retries
+from draftgen.running.state import PartitionQueue, RunState
+from draftgen.running.stats import RunStats
+from draftgen.sample import Failure, Record, Turn, base_body, request_body
+from draftgen.schedule.base import Flight, Scheduler
+from draftgen.schedule.pool import ServerPool, ServerState
+from draftgen.store.writer import OutcomeWriter
+
+
+class _Bounce(Exception):
+    """A request cut off by a server outage: re-queue it, charge nothing."""
+
+    def __init__(self, err: ServerDown) -> None:
+        super().__init__(str(err))
+        self.err = err
+
+
+class Requester:
+    """Runs request tasks for one run; `send` is the body of each."""
+
+    def __init__(self, job: JobSpec, *, client: ChatClient, writer: OutcomeWriter,
+                 pool: ServerPool, scheduler: Scheduler, stats: RunStats, state: RunState,
+                 clock: Clock) -> None:
+        self._client = client
+        self._writer = writer
+        self._pool = pool
+        self._scheduler = scheduler
+        self._stats = stats
+        self._state = state
+        self._clock = clock
+        self._base = base_body(job.model, job.sampling.model_dump())
+        retry = job.client.retry
+        self._backoff = Backoff(retry.backoff_base_s, retry.backoff_max_s, retry.max_attempts)
+        self._max_outage_requeues = job.client.max_outage_requeues
+        self._rng = random.Random()
+
+    async def send(self, flight: Flight, server: ServerState, queue: PartitionQueue) -> None:
+        sample = flight.sample
+        outcome: Record | Failure | None = None
+        try:
+            outcome = await self._generate(flight, server)
+        except _Bounce as b:
+            self._pool.mark_down(server, str(b.err))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task not in self._state.requeue:
+                self._stats.cancelled(sample.category)
+                raise
+            self._state.requeue.discard(task)
+            task.uncancel()
+        finally:
+            server.in_flight -= 1
+            self._pool.progress(server)
+            queue.in_flight -= 1
+            self._scheduler.ended(sample, server, outcome.output_tokens
+                                  if isinstance(outcome, Record) else None)
+            self._state.wake.set()
+        if outcome is None:
+            # Cut off by an outage or a hang: back to the front, no retry charged.
+            self._stats.cancelled(sample.category)
+            queue.samples.appendleft(sample)
+            return
+        self._stats.finished(outcome)
+        await self._writer.put(outcome)
+
+    async def _generate(self, flight: Flight, server: ServerState) -> Record | Failure:
+        sample = flight.sample
+        messages = list(sample.messages)
+        turns: list[Turn] = []
+        attempts = 0
+        followups = list(sample.followups)
+
+        def on_token(written: int) -> None:
+            self._stats.token(written - flight.written)
+            if not flight.written:
+                self._state.wake.set()  # a first token may let the scheduler send more
+            flight.written = written
+            self._pool.progress(server)
+
+        async def send(body: dict[str, Any]) -> Any:
+            flight.written = 0  # a retry streams the answer again from its start
+            try:
+                return await self._client.chat(server.url, body, on_token=on_token)
+            except ServerDown as e:
+                self._state.outages[sample.id] += 1
+                if self._state.outages[sample.id] <= self._max_outage_requeues:
+                    raise _Bounce(e) from e
+                raise
+
+        while True:
+            body = request_body(sample, self._base, messages)
+            try:
+                done, used = await with_retries(
+                    lambda body=body: send(body),  # type: ignore[misc]
+                    self._backoff, clock=self._clock, rng=self._rng,
+                    on_retry=lambda *_: self._stats.retried(),
+                )
+            except RequestError as e:
+                return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
+                               e.reason, str(e), attempts + getattr(e, "attempts", 1),
+                               server.url, self._clock.time())
+            attempts += used
+            if done.finish_reason == "content_filter":
+                return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
+                               "content_filter", "the server's content filter stopped the "
+                               "answer", attempts, server.url, self._clock.time())
+            turns.append(done)
+            # A truncated reply ends the chain: the next user turn would answer a cut-off text.
+            if not followups or done.finish_reason == "length":
+                break
+            flight.next_turn()
+            messages.append({"role": "assistant", "content": done.content})
+            messages.append({"role": "user", "content": followups.pop(0)})
+        return Record(sample.id, sample.fingerprint, sample.category, sample.partition,
+                      sample.messages, sample.followups, tuple(turns), server.url, attempts,
+                      self._clock.time())
