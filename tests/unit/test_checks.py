@@ -354,3 +354,17 @@ def test_exports_without_template_kwargs_add_nothing(tmp_path: Path) -> None:
     export_run(tmp_path, tmp_path / "p.parquet", ExportOptions("parquet"))
     assert pq.read_table(tmp_path / "p.parquet").column(
         "chat_template_kwargs").to_pylist() == [None]
+
+
+def test_ignored_seeds_are_said_once_per_server() -> None:
+    from draftgen.store.reading import seeds_ignored_note
+
+    server = {"url": "http://a:30000", "engine": "sglang", "seeds_honoured": False}
+    manifest = {"job": {"sampling": {"seed": 1}}, "runs": [{"servers": [server]},
+                                                         {"servers": [server]}]}
+    note = seeds_ignored_note(manifest)
+    assert note is not None and note.count("http://a:30000") == 1
+    assert "--enable-deterministic-inference" in note
+    unseeded = {**manifest, "job": {"sampling": {}}}
+    honoured = {**manifest, "runs": [{"servers": [{**server, "seeds_honoured": True}]}]}
+    assert seeds_ignored_note(unseeded) is None and seeds_ignored_note(honoured) is None

@@ -419,3 +419,49 @@ def test_sse_decoder_keeps_a_last_line_without_newline() -> None:
     decoder = SSEDecoder()
     assert decoder.feed(b"data: [DONE]") == []
     assert decoder.close() == [b"[DONE]"]
+
+
+# --- token ids from the server ---------------------------------------------------------
+
+
+def vllm_chunk(content: str, ids: list[int], **extra: object) -> bytes:
+    """vLLM's shape with `return_token_ids`: the step's ids on the choice."""
+    choice = {"index": 0, "delta": {"content": content}, "finish_reason": extra.pop(
+        "finish", None), "token_ids": ids}
+    return sse({"id": "c", "object": "chat.completion.chunk", "choices": [choice], **extra})
+
+
+async def test_vllm_token_ids_are_collected_from_every_chunk(server: FakeServer) -> None:
+    steps = [vllm_chunk("He", [5], prompt_token_ids=[1, 2, 3]), vllm_chunk("llo", [6, 7]),
+             vllm_chunk("", [2], finish="stop"), usage(3, 4), DONE]
+    server.script(Reply(steps=steps))
+    async with ChatClient() as client:
+        result = await client.chat(server.url, BODY)
+    assert result.prompt_token_ids == (1, 2, 3)
+    assert result.token_ids == (5, 6, 7, 2)  # the end token the model emitted included
+    assert result.content == "Hello"
+
+
+async def test_sglang_ids_come_in_a_chunk_of_their_own(server: FakeServer) -> None:
+    # SGLang 0.5.23 with return_*_ids_in_sglext: choices empty, ids per choice in sglext.
+    ids_chunk = sse({"id": "c", "object": "chat.completion.chunk", "choices": [],
+                     "sglext": {"input_ids": [9, 8], "output_ids": [[4, 5, 6]]}})
+    server.script(Reply(steps=[chunk("abc"), chunk(finish="stop"), ids_chunk, usage(2, 3), DONE]))
+    async with ChatClient() as client:
+        result = await client.chat(server.url, BODY)
+    assert (result.prompt_token_ids, result.token_ids) == ((9, 8), (4, 5, 6))
+    assert result.content == "abc"
+
+
+async def test_no_ids_without_an_id_channel(server: FakeServer) -> None:
+    server.script(completion(["x"]))
+    async with ChatClient() as client:
+        result = await client.chat(server.url, BODY)
+    assert result.token_ids is None and result.prompt_token_ids is None
+
+
+async def test_malformed_token_ids_are_transient(server: FakeServer) -> None:
+    server.script(Reply(steps=[vllm_chunk("x", ["a"], finish="stop"), DONE]))  # type: ignore[list-item]
+    async with ChatClient() as client:
+        with pytest.raises(Transient, match="malformed token ids"):
+            await client.chat(server.url, BODY)

@@ -316,7 +316,10 @@ async def test_sglang_server_info_alone_gives_capacity_only(
     server: StandIn, session: aiohttp.ClientSession
 ) -> None:
     server.routes["/get_server_info"] = Route(
-        body={"internal_states": [{"max_total_num_tokens": 5000}, {"max_total_num_tokens": 7000}],
+        # Each rank's pool is `memory_usage.token_capacity` (no release has a
+        # `max_total_num_tokens` of its own in internal_states).
+        body={"internal_states": [{"memory_usage": {"token_capacity": 5000}},
+                                  {"memory_usage": {"token_capacity": 7000}}],
               "max_total_num_tokens": 5000, "dp_size": 2}
     )
     logs: list[str] = []
@@ -523,3 +526,14 @@ async def test_no_load_endpoint_is_a_reading_with_everything_missing(
         assert load is not None
         assert load.source == "no load endpoint" and load.missing == FIELDS
     assert len(logs) == 2  # which endpoint (none), and what is missing (all): once each
+
+
+def test_sglang_0_5_23_token_counters_split_by_streaming_are_summed() -> None:
+    # 0.5.23 counts streamed and plain requests in two series; TP ranks repeat each one.
+    text = "\n".join([
+        "# TYPE sglang:generation_tokens_total counter",
+        *(f'sglang:generation_tokens_total{{is_streaming="{s}",model_name="m",tp_rank="{t}"}} '
+          f"{v}" for s, v in (("true", 10.0), ("false", 5.0)) for t in (0, 1)),
+    ]) + "\n"
+    reading, engine = read_prometheus(text)
+    assert engine == "sglang" and reading["generation_tokens_total"] == 15.0

@@ -99,6 +99,9 @@ def test_launch_verify_and_stop_leave_files_and_no_process(
     assert summary["gpus"] is None
     log = (folder / "server.log").read_text()
     assert "--kv-cache-dtype bf16" in log and "child pid:" in log
+    # The probe found SGLang 0.5.23, which has --attn-dp-size: not the deprecated spelling.
+    assert "--attn-dp-size 2" in log and "--enable-dp-attention" not in log
+    assert (verified.info.version, verified.info.dp, verified.info.attn_dp) == ("0.5.23", 1, 2)
     assert running(profile) == handle
 
     assert stop(profile) is True
@@ -106,6 +109,29 @@ def test_launch_verify_and_stop_leave_files_and_no_process(
     assert not (folder / "server.pid").exists()
     assert running(profile) is None
     assert stop(profile) is False
+
+
+def test_an_older_sglang_gets_the_dp_attention_flags_it_knows(
+    write_profile: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0.5.9 has no --attn-dp-size and refuses it as an unrecognized argument.
+    monkeypatch.setenv("STANDIN_VERSION", "0.5.9")
+    profile = load_profile(write_profile(dp=2, dp_attention=True))
+    verified = launch(profile, timeout_s=60)
+    log = (profile.state_path / "server.log").read_text()
+    assert "--dp-size 2 --enable-dp-attention" in log and "--attn-dp-size" not in log
+    assert (verified.info.version, verified.info.dp, verified.info.attn_dp) == ("0.5.9", 2, None)
+    assert verified.info.kv_tokens_per_rank == (160_000, 160_000)
+
+
+def test_a_flag_the_installed_sglang_does_not_know_fails_the_launch(
+    write_profile: Any,
+) -> None:
+    profile = load_profile(write_profile(extra_args=["--no-such-flag", "1"]))
+    with pytest.raises(LaunchError, match=r"exited \(code 2\) while starting") as excinfo:
+        launch(profile, timeout_s=60)
+    assert "unrecognized arguments: --no-such-flag 1" in str(excinfo.value)
+    assert running(profile) is None
 
 
 def test_restart_keeps_the_port_and_reports_the_capacity_change(write_profile: Any) -> None:
@@ -200,7 +226,7 @@ def test_serve_command_start_again_restart_and_stop(
     assert serve(path, timeout_s=60) == 0
     out = capsys.readouterr().out
     assert out.startswith("up — 160,000 KV tokens, bf16 KV\n")
-    assert "sglang 0.5.9 at http://127.0.0.1:" in out
+    assert "sglang 0.5.23 at http://127.0.0.1:" in out
     # Same profile again: reported, not restarted.
     assert serve(path, timeout_s=60) == 0
     assert "(already running)" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import yaml
 
 from draftgen.errors import JobError
 from draftgen.servers import engine_for, load_profile, profile_hash
+from draftgen.servers.install import EngineInstall
 from draftgen.servers.profile import ServerProfile, default_state_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,17 +24,29 @@ def write(tmp_path: Path, data: dict[str, Any], name: str = "p.yaml") -> Path:
     return path
 
 
-def test_sglang_golden_argv_for_the_8_gpu_example() -> None:
+SGLANG_0_5_23 = EngineInstall("sglang", "python", "0.5.23",
+                              frozenset({"--attn-dp-size", "--enable-dp-attention"}))
+SGLANG_0_5_9 = EngineInstall("sglang", "python", "0.5.9", frozenset({"--enable-dp-attention"}))
+
+
+@pytest.mark.parametrize("install, dp_flags", [
+    # 0.5.23 deprecates --enable-dp-attention for --attn-dp-size (removal announced).
+    (SGLANG_0_5_23, ["--attn-dp-size", "8"]),
+    (SGLANG_0_5_9, ["--dp-size", "8", "--enable-dp-attention"]),
+    # Not installed for this interpreter: the newest release's flags.
+    (None, ["--attn-dp-size", "8"]),
+])
+def test_sglang_golden_argv_for_the_8_gpu_example(install: EngineInstall | None,
+                                                  dp_flags: list[str]) -> None:
     profile = load_profile(EXAMPLES / "kimi-k2.5-sglang-8gpu.yaml")
-    assert engine_for("sglang").argv(profile) == [
+    assert engine_for("sglang").argv(profile, install=install) == [
         sys.executable, "-m", "sglang.launch_server",
         "--model-path", "/models/Kimi-K2.5",
         "--served-model-name", "kimi-k2.5",
         "--host", "127.0.0.1",
         "--port", "30000",
         "--tp-size", "8",
-        "--dp-size", "8",
-        "--enable-dp-attention",
+        *dp_flags,
         "--mem-fraction-static", "0.88",
         "--enable-hierarchical-cache",
         "--hicache-size", "64",
@@ -139,7 +152,7 @@ def test_env_and_args_become_strings_and_max_model_len_is_an_alias(tmp_path: Pat
         ({"engine": "sglang", "model_path": "m", "hierarchical_cache": {"host_gb_per_rank": 8}},
          "hierarchical_cache", "enabled is false"),
         ({"engine": "vllm", "model_path": "m", "dp": 2, "dp_attention": True}, "(top level)",
-         "only SGLang has --enable-dp-attention"),
+         "only SGLang has data-parallel attention"),
         ({"engine": "sglang", "model_path": "m", "tp": 8, "dp": 3, "dp_attention": True},
          "(top level)", "tp divisible by dp"),
         ({"engine": "vllm", "model_path": "m", "hierarchical_cache": {"enabled": True}},

@@ -186,6 +186,10 @@ class ChatClient:
         finish_reason: str | None = None
         prompt_tokens = completion_tokens = written = 0
         ttft_s: float | None = None
+        # Token ids, where the server sends them: vLLM per chunk (choices[0].token_ids) and
+        # the prompt's on the first; SGLang once, in a chunk of its own (sglext).
+        ids: list[int] | None = None
+        prompt_ids: list[int] | None = None
         done = False
         decoder = SSEDecoder()
         stream = response.content
@@ -202,9 +206,18 @@ class ChatClient:
                     if usage:
                         prompt_tokens = int(usage.get("prompt_tokens") or 0)
                         completion_tokens = int(usage.get("completion_tokens") or 0)
+                    if "prompt_token_ids" in event or "sglext" in event:
+                        prompt_ids, sglext_ids = _ids_of(event, prompt_ids)
+                        if sglext_ids is not None:
+                            ids = sglext_ids
                     choices = event.get("choices")
                     if choices:
                         choice = choices[0]
+                        step_ids = choice.get("token_ids")
+                        if step_ids:
+                            if ids is None:
+                                ids = []
+                            ids.extend(step_ids)
                         delta = choice.get("delta")
                         if delta:
                             text = delta.get("content")
@@ -222,7 +235,7 @@ class ChatClient:
                         reason = choice.get("finish_reason")
                         if reason:
                             finish_reason = reason
-                    else:
+                    elif "sglext" not in event:
                         server_error = error_object(event)
                         if server_error is not None:
                             raise classify_stream_error(server_error, secret=self._api_key)
@@ -249,6 +262,8 @@ class ChatClient:
             completion_tokens=completion_tokens,
             ttft_s=ttft_s,
             duration_s=clock.monotonic() - started,
+            token_ids=_int_tuple(ids),
+            prompt_token_ids=_int_tuple(prompt_ids),
         )
 
     async def _from_json(self, response: aiohttp.ClientResponse, started: float) -> Completion:
@@ -334,6 +349,29 @@ async def _drain(response: aiohttp.ClientResponse) -> None:
     except (aiohttp.ClientError, TimeoutError):
         # The result is complete; at worst this connection is not reused.
         pass
+
+
+def _ids_of(event: dict[str, Any], prompt_ids: list[int] | None
+            ) -> tuple[list[int] | None, list[int] | None]:
+    """(prompt ids, generated ids) a chunk carries outside its choices: vLLM's top-level
+    `prompt_token_ids`; SGLang's `sglext.input_ids` and `sglext.output_ids[0]`."""
+    prompt = event.get("prompt_token_ids")
+    generated = None
+    sglext = event.get("sglext")
+    if isinstance(sglext, dict):
+        prompt = sglext.get("input_ids", prompt)
+        outputs = sglext.get("output_ids")
+        if isinstance(outputs, list) and outputs and isinstance(outputs[0], list):
+            generated = outputs[0]
+    return (prompt if isinstance(prompt, list) else prompt_ids), generated
+
+
+def _int_tuple(ids: list[Any] | None) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise Transient(f"malformed token ids in the stream: {excerpt(str(ids)[:200])}")
+    return tuple(ids)
 
 
 def _snippet(payload: bytes) -> str:

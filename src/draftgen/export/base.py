@@ -73,6 +73,10 @@ class Format:
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         raise NotImplementedError
 
+    def notes(self) -> list[str]:
+        """What the export's summary should say about the rows written (after writing)."""
+        return []
+
     def write(self, rows: Iterator[dict[str, Any]], f: BinaryIO) -> None:
         for r in rows:
             f.write(orjson.dumps(r) + b"\n")

@@ -32,11 +32,12 @@ class ExportSummary:
     empty: int
     pending: int
     flagged: int = 0
+    notes: tuple[str, ...] = ()
 
     def line(self) -> str:
         return (f"exported {self.exported} samples to {self.to}; left out: {self.failed} failed, "
                 f"{self.truncated} truncated, {self.flagged} flagged, {self.empty} empty, "
-                f"{self.pending} pending")
+                f"{self.pending} pending" + "".join(f"\nnote: {n}" for n in self.notes))
 
 
 
@@ -94,4 +95,5 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
             fh.close()
         tmp.unlink(missing_ok=True)
     return ExportSummary(to, counts["exported"], counts["failed"], counts["truncated"],
-                         counts["empty"], counts["pending"], counts["flagged"])
+                         counts["empty"], counts["pending"], counts["flagged"],
+                         tuple(fmt.notes()))

@@ -10,8 +10,13 @@ only when the model emitted it (finish_reason `stop`); a turn cut by `max_tokens
 generated it, and the template's copy is not a training target. Assistant turns that were
 part of the prompt (a multi-turn source row) are not the model's output and stay 0.
 
-Where a record carries the engine's own token ids (vLLM's `return_token_ids`), those are
-used as they are (`server_token_ids`).
+Where a record carries the engine's own token ids (vLLM's `return_token_ids`, SGLang
+0.5.23's `sglext`), those are used as they are (`server_token_ids`), and each row says which
+source it used (`metadata.token_source`: `server` or `chat_template`). A row from server ids
+is also rendered through the template and compared: where re-tokenising the text does not
+give back the ids the model wrote, `metadata.retokenized_differs` is set and the export's
+summary counts it — a trainer that re-tokenises the text (SpecForge's conversation path)
+would train on other tokens than the model generated for those samples.
 """
 
 from __future__ import annotations
@@ -139,19 +144,39 @@ def generated_turns(rec: Mapping[str, Any],
 
 
 def server_token_ids(rec: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
-    """The engine's own prompt and generated ids, where the record carries them.
+    """The engine's own ids and loss mask, where the record carries them; None: render.
 
-    The hook for engines that return token ids (vLLM's `return_token_ids`): a single-turn
-    record whose turn holds `prompt_token_ids` and `token_ids` is exported from them as is,
-    with no re-tokenization. Records do not store them yet; None means render instead.
+    A turn's prompt ids followed by its generated ids are exactly what the model read and
+    wrote. For several turns the last turn's prompt holds the earlier answers as the
+    template re-rendered them; each earlier answer is masked where its generated ids appear
+    there unchanged, and the record is rendered instead when one does not (the template
+    rewrote it, so those ids are not what the model wrote).
     """
     turns = rec.get("turns") or []
-    if len(turns) != 1:
+    got = [(t.get("prompt_token_ids"), t.get("token_ids")) for t in turns]
+    if not got or not all(isinstance(p, list) and isinstance(g, list) for p, g in got):
         return None
-    prompt, generated = turns[0].get("prompt_token_ids"), turns[0].get("token_ids")
-    if not isinstance(prompt, list) or not isinstance(generated, list):
-        return None
-    return [*prompt, *generated], [0] * len(prompt) + [1] * len(generated)
+    prompt, generated = got[-1]
+    mask = [0] * len(prompt)
+    cursor = len(got[0][0])
+    for _, earlier in got[:-1]:
+        at = _find(prompt, earlier, cursor)
+        if at < 0:
+            return None
+        mask[at:at + len(earlier)] = [1] * len(earlier)
+        cursor = at + len(earlier)
+    return [*prompt, *generated], mask + [1] * len(generated)
+
+
+def _find(haystack: Sequence[int], needle: Sequence[int], start: int) -> int:
+    """Where `needle` first occurs in `haystack` at or after `start`; -1 if nowhere."""
+    if not needle:
+        return -1
+    first, n = needle[0], len(needle)
+    for i in range(start, len(haystack) - n + 1):
+        if haystack[i] == first and list(haystack[i:i + n]) == list(needle):
+            return i
+    return -1
 
 
 def resolve_tokenizer(ctx: ExportContext, opts: ExportOptions) -> str:
@@ -192,22 +217,47 @@ def _eos_tokens(tok: Any, name: str | Path) -> list[str]:
     return [t for t in tok.convert_ids_to_tokens(ids) if isinstance(t, str)]
 
 
+def _masked(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
+    return [i for i, m in zip(ids, mask, strict=True) if m]
+
+
 class TokensFormat(Format):
     _chat: ChatTokenizer
+    retokenized_differs = 0
 
     def prepare(self, ctx: ExportContext, opts: ExportOptions) -> None:
         super().prepare(ctx, opts)
         self._chat = ChatTokenizer.load(resolve_tokenizer(ctx, opts),
                                         template_kwargs=ctx.template_kwargs)
+        self.retokenized_differs = 0
+
+    def notes(self) -> list[str]:
+        if not self.retokenized_differs:
+            return []
+        return [f"{self.retokenized_differs} sample(s) re-tokenise to other ids than the "
+                "model generated (metadata.retokenized_differs): exported from the server's "
+                "ids; a trainer that tokenises the text would not train on what the model "
+                "wrote"]
+
+    def _retokenized(self, msgs: list[dict[str, str]], rec: Mapping[str, Any]) -> list[int]:
+        """The generated turns' ids as the chat template and tokenizer would make them."""
+        try:
+            enc = self._chat.encode(msgs, generated_turns(rec, msgs))
+        except JobError:  # the template rewrites a turn: no re-tokenised ids to compare
+            return []
+        return _masked(enc.input_ids, enc.loss_mask)
 
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         turns = rec["turns"]
         from_server = server_token_ids(rec)
+        msgs = conversation(rec, opts.reasoning)
+        differs = False
         if from_server is not None:
             ids, mask = from_server
             text = str(self._chat.tokenizer.decode(ids, skip_special_tokens=False))
+            differs = self._retokenized(msgs, rec) != _masked(ids, mask)
+            self.retokenized_differs += differs
         else:
-            msgs = conversation(rec, opts.reasoning)
             enc = self._chat.encode(msgs, generated_turns(rec, msgs))
             ids, mask, text = enc.input_ids, enc.loss_mask, enc.text
         meta: dict[str, Any] = {
@@ -219,6 +269,8 @@ class TokensFormat(Format):
             "server": rec.get("server"),
             "token_source": "server" if from_server is not None else "chat_template",
         }
+        if differs:
+            meta["retokenized_differs"] = True
         if (kwargs := self.ctx.template_kwargs) is not None:
             meta["chat_template_kwargs"] = kwargs
         if flags := check_turns(turns):

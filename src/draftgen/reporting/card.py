@@ -25,7 +25,7 @@ from draftgen import __version__
 from draftgen.quality.checks import ALL_FLAGS, TRUNCATION_FLAGS, check_turns, quality_flags
 from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
-from draftgen.store.reading import current_entries
+from draftgen.store.reading import current_entries, seeds_ignored_note
 from draftgen.store.run_store import REJECTED, read_manifest
 from draftgen.store.shards import read_at
 
@@ -251,6 +251,7 @@ def _recipe_section(job: dict[str, Any], m: dict[str, Any]) -> list[str]:
         f"- job file: `{m.get('job_file') or 'unknown'}`",
         f"- samples per prompt: {job.get('samples_per_prompt', 1)}; multi-turn: "
         f"{job.get('multi_turn', 'last')}; seed: {job.get('seed', 0)}",
+        *([f"- **{note}**"] if (note := seeds_ignored_note(m)) else []),
         f"- planned samples: {plan.get('samples', '?')}; prompt token counts: "
         f"{plan.get('token_count', '?')}",
         "", "Sampling (sent with every request; unset fields were not sent):", "",

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from draftgen.quality.checks import quality_flags
-from draftgen.store.reading import current_entries, is_running, lock_pid
+from draftgen.store.reading import current_entries, is_running, lock_pid, seeds_ignored_note
 from draftgen.store.run_store import REJECTED, read_manifest
 
 
@@ -48,6 +48,8 @@ class RunStatus:
     pid: int | None = None
     # The running run's latest view of its servers (live.json), while it runs.
     live: dict[str, Any] | None = None
+    # What the user should know about how the data was made (seeds ignored, ...).
+    notes: list[str] = field(default_factory=list)
 
     def live_lines(self) -> list[str]:
         if not self.live:
@@ -75,6 +77,8 @@ class RunStatus:
 def read_status(out_dir: Path) -> RunStatus:
     plan, entries = current_entries(out_dir)
     st = RunStatus(str(out_dir), is_running(out_dir), manifest=read_manifest(out_dir))
+    if (note := seeds_ignored_note(st.manifest)) is not None:
+        st.notes.append(note)
     if st.running:
         st.pid = lock_pid(out_dir)
         with contextlib.suppress(OSError, orjson.JSONDecodeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from draftgen.client import ChatClient
@@ -39,8 +40,10 @@ class Requester:
 
     def __init__(self, job: JobSpec, *, client: ChatClient, writer: OutcomeWriter,
                  pool: ServerPool, scheduler: Scheduler, stats: RunStats, state: RunState,
-                 clock: Clock) -> None:
+                 clock: Clock,
+                 server_fields: Callable[[str], Mapping[str, Any]] = lambda _url: {}) -> None:
         self._client = client
+        self._server_fields = server_fields
         self._writer = writer
         self._pool = pool
         self._scheduler = scheduler
@@ -106,8 +109,10 @@ class Requester:
                     raise _Bounce(e) from e
                 raise
 
+        extra = self._server_fields(server.url)
         while True:
             body = request_body(sample, self._base, messages)
+            body.update(extra)
             try:
                 done, used = await with_retries(
                     lambda body=body: send(body),  # type: ignore[misc]

@@ -231,7 +231,8 @@ class Runner:
                     monitor.run(state.stop))]
                 requester = Requester(self.job, client=client, writer=writer, pool=pool,
                                       scheduler=self.scheduler, stats=self.stats, state=state,
-                                      clock=self.clock)
+                                      clock=self.clock,
+                                      server_fields=self._servers.request_fields)
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(dispatcher.run(requester, tg), name="dispatch")
                 for t in helpers:

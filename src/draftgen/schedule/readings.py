@@ -13,6 +13,8 @@ from typing import Literal, TypeVar
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from draftgen.servers.sglang import per_rank_capacity
+
 
 @dataclass(frozen=True, slots=True)
 class ServerLoad:
@@ -61,7 +63,6 @@ _SGLANG_SUMS: dict[str, str] = {
     "sglang:num_used_tokens": "kv_used_tokens",
     "sglang:max_total_num_tokens": "kv_capacity_tokens",
     "sglang:num_retracted_requests_total": "preemptions_total",
-    "sglang:num_retracted_reqs_total": "preemptions_total",
     "sglang:generation_tokens_total": "generation_tokens_total",
 }
 _SGLANG_USAGE = ("sglang:token_usage",)
@@ -71,6 +72,8 @@ _WANTED = frozenset(
 # Labels that tell data-parallel replicas apart; every other label (tp_rank, pp_rank, pid,
 # model_name, …) is a copy of the same figure.
 _REPLICA_LABELS = ("dp_rank", "engine")
+# Labels that split one figure into parts to be summed (0.5.23's token counters).
+_SERIES_LABELS = (*_REPLICA_LABELS, "is_streaming")
 _V1_LOADS: dict[str, str] = {
     "num_running_reqs": "running",
     "num_waiting_reqs": "waiting",
@@ -78,6 +81,9 @@ _V1_LOADS: dict[str, str] = {
     "max_total_num_tokens": "kv_capacity_tokens",
     "max_running_requests": "max_running",
 }
+
+# /v1/loads fields that are the same on every rank once it has published.
+_SIZED_ALIKE = ("max_total_num_tokens", "max_running_requests")
 
 Reading = dict[str, float]
 K = TypeVar("K")
@@ -126,13 +132,14 @@ def read_prometheus(text: str) -> tuple[Reading, Engine | None]:
                     end = min(end, i)
             if line[:end] in _WANTED:
                 kept.append(line)
-    # name → replica → value; copies of one replica (TP/PP ranks) collapse by max.
+    # name → series → value; copies of one series (TP/PP ranks) collapse by max, and the
+    # series are summed (replicas; SGLang 0.5.23 counts streamed and plain requests apart).
     series: dict[str, dict[tuple[str, ...], float]] = {}
     capacity: dict[tuple[str, ...], float] = {}
     reading_extra: Reading = {}
     for family in text_string_to_metric_families("\n".join(kept) + "\n"):
         for s in family.samples:
-            replica = tuple(s.labels.get(k, "") for k in _REPLICA_LABELS)
+            replica = tuple(s.labels.get(k, "") for k in _SERIES_LABELS)
             if s.name == _VLLM_CACHE_INFO:
                 tokens = _cache_info_tokens(s.labels)
                 if tokens is not None:
@@ -194,6 +201,10 @@ def read_sglang_loads(body: object) -> Reading | None:
     reading: Reading = {}
     for key, fieldname in _V1_LOADS.items():
         values = [_number(r.get(key)) for r in ranks]
+        if key in _SIZED_ALIKE and any(values):
+            # 0.5.23 shows a rank's slot as zeros until its scheduler first publishes; every
+            # rank's pool and limit are sized alike.
+            values = [v or max(x for x in values if x) for v in values]
         if ranks and all(v is not None for v in values):
             reading[fieldname] = sum(v for v in values if v is not None)
     usage: dict[int, float] = {}
@@ -211,16 +222,8 @@ def read_server_info(body: object) -> float | None:
     """KV capacity in tokens over all DP ranks from SGLang's server info, if it says."""
     if not isinstance(body, dict):
         return None
-    states = body.get("internal_states")
-    if isinstance(states, list) and states:
-        per_rank = [_number(s.get("max_total_num_tokens")) if isinstance(s, dict) else None
-                    for s in states]
-        if all(v is not None for v in per_rank):
-            return sum(v for v in per_rank if v is not None)
-    per_rank_top = _number(body.get("max_total_num_tokens"))
-    if per_rank_top is None:
-        return None
-    return per_rank_top * (_number(body.get("dp_size")) or 1.0)
+    ranks = per_rank_capacity(body)
+    return float(sum(ranks)) if ranks else None
 
 
 def parse_json(body: bytes) -> object:

@@ -13,14 +13,14 @@ import asyncio
 import contextlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from draftgen.job import JobSpec
 from draftgen.servers.base import ServerInfoError
-from draftgen.servers.info import fetch_server_info, manifest_record
+from draftgen.servers.info import engine_for, fetch_server_info, manifest_record
 from draftgen.servers.launcher import launch, stop
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.process import find_free_port
@@ -38,6 +38,7 @@ class AttachedServers:
     _profiles: dict[str, ServerProfile] = field(default_factory=dict)
     _identity: dict[str, Any] = field(default_factory=dict)
     _launched: list[ServerProfile] = field(default_factory=list)
+    _engines: dict[str, str] = field(default_factory=dict)
 
     async def __aenter__(self) -> AttachedServers:
         if self.override_urls:
@@ -88,6 +89,12 @@ class AttachedServers:
         self.urls.append(verified.handle.url)
         self._profiles[verified.handle.url] = profile
 
+    def request_fields(self, url: str) -> Mapping[str, Any]:
+        """Fields every request to `url` carries for its engine (token ids); none while the
+        engine is unknown, since one engine's field must never reach another."""
+        engine = self._engines.get(url)
+        return engine_for(engine).token_id_fields if engine else {}
+
     def stop_launched(self) -> None:
         while self._launched:
             stop(self._launched.pop())
@@ -103,6 +110,7 @@ class AttachedServers:
             identity: Any = None
         else:
             identity = info.identity()
+            self._engines[url] = info.engine
             if info.kv_dtype is None:
                 record = {**manifest_record(info, profile=profile), "verified": False,
                           "reason": f"KV dtype unknown: {info.kv_dtype_note}"}
@@ -116,5 +124,8 @@ class AttachedServers:
         self._identity[url] = identity
         if not record["verified"]:
             self.log(f"warning: {url}: quality policy not verified ({record['reason']})")
+        if record.get("seeds_honoured") is False and self.job.sampling.seed is not None:
+            self.log(f"warning: {url}: per-sample seeds ignored by this engine (SGLang without "
+                     "--enable-deterministic-inference; profile: deterministic_inference: true)")
         self.records.append(record)
         return {**record, "changed_mid_run": changed}

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import aiohttp
 
 from draftgen.errors import DraftgenError
+from draftgen.servers.install import EngineInstall
 from draftgen.servers.profile import ServerProfile
 
 _INFO_TIMEOUT_S = 30.0
@@ -53,6 +54,11 @@ class ServerInfo:
     context_length: int | None = None
     tp: int | None = None
     dp: int | None = None
+    # SGLang data-parallel attention ranks (`attn_dp_size`; 0.5.23 reports dp_size 1 then).
+    attn_dp: int | None = None
+    # Whether the server honours a request's `seed`: vLLM does; SGLang only when launched
+    # with --enable-deterministic-inference. None: unknown.
+    seeds_honoured: bool | None = None
     # The server's own arguments that bear on capacity and quality, as it reported them.
     args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -75,6 +81,8 @@ class ServerInfo:
             "max_running_requests": self.max_running_requests,
             "mem_fraction": self.mem_fraction,
             "context_length": self.context_length,
+            "attn_dp": self.attn_dp,
+            "seeds_honoured": self.seeds_honoured,
         }
 
     @classmethod
@@ -92,23 +100,31 @@ class Engine(ABC):
     default_port: ClassVar[int]
     # Set for every launch, whatever the profile's env says last.
     base_env: ClassVar[Mapping[str, str]] = {}
+    # Added to every streamed chat request to a server of this engine: the fields that make
+    # it return the prompt's and the answer's token ids. Never sent to another engine.
+    token_id_fields: ClassVar[Mapping[str, Any]] = {}
 
     def port(self, profile: ServerProfile) -> int:
         return self.default_port if profile.port is None else profile.port
 
-    def argv(self, profile: ServerProfile, *, port: int | None = None) -> list[str]:
-        """The exact command, run without a shell; `port` replaces the profile's (e.g. 0)."""
+    def argv(self, profile: ServerProfile, *, port: int | None = None,
+             install: EngineInstall | None = None) -> list[str]:
+        """The exact command, run without a shell; `port` replaces the profile's (e.g. 0).
+
+        `install` is the engine the profile's interpreter has (`detect_install`); flags
+        that differ between releases follow it, or the newest release when it is None."""
         chosen = self.port(profile) if port is None else port
         return [
             profile.interpreter,
             "-m",
             self.module,
-            *self.flags(profile, chosen),
+            *self.flags(profile, chosen, install),
             *profile.extra_args,
         ]
 
     @abstractmethod
-    def flags(self, profile: ServerProfile, port: int) -> list[str]: ...
+    def flags(self, profile: ServerProfile, port: int,
+              install: EngineInstall | None = None) -> list[str]: ...
 
     def env(self, profile: ServerProfile) -> dict[str, str]:
         return {**os.environ, **self.base_env, **profile.env}

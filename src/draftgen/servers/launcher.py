@@ -28,7 +28,9 @@ from draftgen.errors import DraftgenError
 from draftgen.servers.base import ServerInfo, ServerInfoError
 from draftgen.servers.gpu import GpuMemory, min_headroom_gib, read_gpu_memory, visible_indices
 from draftgen.servers.info import engine_for, fetch_server_info
+from draftgen.servers.install import detect_install
 from draftgen.servers.policy import check_profile, check_running
+from draftgen.servers.preflight import Preflight, preflight
 from draftgen.servers.process import (
     answers_chat,
     find_free_port,
@@ -156,7 +158,11 @@ def start(profile: ServerProfile, *, port: int | None = None) -> ServerHandle:
         chosen = find_free_port()
     if port_in_use(engine.connect_host(profile), chosen):
         raise LaunchError(f"port {chosen} is already in use by another process")
-    argv = engine.argv(profile, port=chosen)
+    checked = run_preflight(profile)
+    if not checked.ok:
+        raise LaunchError("preflight: " + "; ".join(checked.problems))
+    argv = engine.argv(profile, port=chosen,
+                       install=detect_install(profile.engine, profile.interpreter))
     folder = profile.state_path
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG_FILE
@@ -194,6 +200,12 @@ def start(profile: ServerProfile, *, port: int | None = None) -> ServerHandle:
     write_atomic(folder / PID_FILE, f"{proc.pid}\n".encode())
     _write_state(handle, "starting", profile=profile)
     return handle
+
+
+def run_preflight(profile: ServerProfile) -> Preflight:
+    """Host RAM and GPU memory for this profile, on this machine (see `preflight.py`)."""
+    env = engine_for(profile.engine).env(profile)
+    return preflight(profile, gpus=lambda: read_gpu_memory(only=visible_indices(env)))
 
 
 def wait_ready(

@@ -40,7 +40,8 @@ MANAGED_FLAGS = frozenset(
         "--data-parallel-size", "--enable-dp-attention", "--mem-fraction-static",
         "--gpu-memory-utilization", "--enable-hierarchical-cache", "--hicache-size",
         "--kv-cache-dtype", "--reasoning-parser", "--max-running-requests", "--max-num-seqs",
-        "--context-length", "--max-model-len", "--dtype",
+        "--context-length", "--max-model-len", "--dtype", "--attn-dp-size",
+        "--enable-deterministic-inference",
     }
 )  # fmt: skip
 
@@ -81,7 +82,13 @@ class ServerProfile(_Strict):
     name: str | None = Field(default=None, pattern=_NAME.pattern)
     tp: int = Field(default=1, ge=1)
     dp: int = Field(default=1, ge=1)
+    # SGLang data-parallel attention over `dp` ranks inside the TP group (MLA models):
+    # `--attn-dp-size dp` where the installed SGLang has it, else `--dp-size dp
+    # --enable-dp-attention` (deprecated in 0.5.23).
     dp_attention: bool = False
+    # SGLang ignores a request's `seed` unless launched with --enable-deterministic-inference
+    # (which restricts backends and costs speed); vLLM honours seeds without it.
+    deterministic_inference: bool = False
     # --mem-fraction-static (SGLang) / --gpu-memory-utilization (vLLM).
     mem_fraction: float | None = Field(default=None, gt=0, le=1)
     hierarchical_cache: HierarchicalCache = Field(default_factory=HierarchicalCache)
@@ -140,7 +147,10 @@ class ServerProfile(_Strict):
     @model_validator(mode="after")
     def _cross_checks(self) -> ServerProfile:
         if self.dp_attention and self.engine != "sglang":
-            raise ValueError("dp_attention: only SGLang has --enable-dp-attention")
+            raise ValueError("dp_attention: only SGLang has data-parallel attention")
+        if self.deterministic_inference and self.engine != "sglang":
+            raise ValueError("deterministic_inference: only SGLang needs it; vLLM honours "
+                             "per-request seeds as it is")
         if self.dp_attention and (self.dp < 2 or self.tp % self.dp):
             raise ValueError("dp_attention: needs dp >= 2 and tp divisible by dp")
         if self.engine == "sglang" and self.kv_cache_dtype in ("float16", "float32"):

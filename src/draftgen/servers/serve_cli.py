@@ -16,11 +16,13 @@ from typing import TextIO
 from draftgen.errors import JobError
 from draftgen.servers.base import ServerInfoError
 from draftgen.servers.info import engine_for
+from draftgen.servers.install import detect_install
 from draftgen.servers.launcher import (
     LaunchError,
     Verified,
     launch,
     read_handle,
+    run_preflight,
     running,
     verify,
 )
@@ -74,13 +76,21 @@ def serve(
 
 def _dry_run(profile: ServerProfile, out: TextIO) -> int:
     engine = engine_for(profile.engine)
-    print(shlex.join(engine.argv(profile)), file=out)
+    install = detect_install(profile.engine, profile.interpreter)
+    print(shlex.join(engine.argv(profile, install=install)), file=out)
+    print(f"# engine: {install.describe()}" + ("" if install.version else
+          "; flags for the newest known release"), file=out)
     for key, value in sorted(profile.env.items()):
         print(f"# env {key}={value}", file=out)
     if profile.port == 0:
         print("# --port 0: a free port is chosen at start", file=out)
     print(f"# run without a shell; state, log and pid under {profile.state_path}", file=out)
-    return 0
+    checked = run_preflight(profile)
+    for line in checked.checks:
+        print(f"# preflight: {line}", file=out)
+    for line in checked.problems:
+        print(f"preflight: {line}", file=sys.stderr)
+    return 0 if checked.ok else 1
 
 
 def _start(profile: ServerProfile, timeout_s: float, out: TextIO, err: TextIO) -> int:

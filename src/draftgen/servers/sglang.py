@@ -8,7 +8,7 @@ scheduler's `max_total_num_tokens` — the KV capacity of one data-parallel rank
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 
@@ -25,11 +25,15 @@ from draftgen.servers.base import (
     resolve_auto_kv_dtype,
 )
 from draftgen.servers.dtypes import AUTO, canonical_kv_dtype
+from draftgen.servers.install import EngineInstall
 from draftgen.servers.profile import ServerProfile
+
+ATTN_DP_FLAG = "--attn-dp-size"
 
 # Server arguments recorded with the info: the ones that decide capacity and quality.
 RECORDED_ARGS = (
     "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
+    "attn_dp_size", "enable_deterministic_inference",
     "mem_fraction_static", "kv_cache_dtype", "dtype", "quantization",
     "enable_hierarchical_cache", "hicache_size", "hicache_ratio", "max_running_requests",
     "context_length", "chunked_prefill_size", "page_size", "reasoning_parser",
@@ -42,14 +46,24 @@ class SGLang(Engine):
     name = "sglang"
     module = "sglang.launch_server"
     default_port = 30000
+    # 0.5.23 answers `return_token_ids` with HTTP 400 when streaming; these put the ids in
+    # one chunk with empty `choices` and `sglext.input_ids` / `sglext.output_ids[choice]`.
+    # Releases without them (0.5.9) drop unknown fields: the ids then just do not come.
+    token_id_fields: ClassVar[Mapping[str, Any]] = {
+        "return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
 
-    def flags(self, profile: ServerProfile, port: int) -> list[str]:
+    def flags(self, profile: ServerProfile, port: int,
+              install: EngineInstall | None = None) -> list[str]:
         args = common_flags(profile, port, model_flag="--model-path")
         args += ["--tp-size", str(profile.tp)]
-        if profile.dp > 1:
+        if profile.dp_attention and uses_attn_dp_size(install):
+            args += ["--attn-dp-size", str(profile.dp)]
+        elif profile.dp_attention:
+            args += ["--dp-size", str(profile.dp), "--enable-dp-attention"]
+        elif profile.dp > 1:
             args += ["--dp-size", str(profile.dp)]
-        if profile.dp_attention:
-            args.append("--enable-dp-attention")
+        if profile.deterministic_inference:
+            args.append("--enable-deterministic-inference")
         if profile.mem_fraction is not None:
             args += ["--mem-fraction-static", f"{profile.mem_fraction:g}"]
         if profile.hierarchical_cache.enabled:
@@ -86,6 +100,13 @@ class SGLang(Engine):
         return parse_server_info(url, data, loads, models)
 
 
+def uses_attn_dp_size(install: EngineInstall | None) -> bool:
+    """`--attn-dp-size` where the installed SGLang defines it (0.5.23 deprecates
+    `--enable-dp-attention`, whose removal is announced); unknown: the newest release's."""
+    known = install.has_flag(ATTN_DP_FLAG) if install is not None else None
+    return True if known is None else known
+
+
 def kv_dtype_arg(dtype: str) -> str:
     """SGLang's spelling: every 0.4/0.5 release accepts `bf16`, only newer ones `bfloat16`."""
     return "bf16" if dtype == "bfloat16" else dtype
@@ -104,21 +125,41 @@ def rank_loads(loads: Any) -> list[Mapping[str, Any]]:
     return sorted(ranked, key=lambda e: as_int(e.get("dp_rank")) or 0)
 
 
+def dp_ranks(data: Mapping[str, Any], loads: Any = None) -> int:
+    """Data-parallel ranks, each with its own KV pool and scheduler: one `/v1/loads` entry
+    each, else `dp_size × attn_dp_size` (0.5.23 turns `--dp-size 8 --enable-dp-attention`
+    into dp_size 1, attn_dp_size 8)."""
+    entries = rank_loads(loads)
+    if entries:
+        return len(entries)
+    return max(1, as_int(data.get("dp_size")) or 1) * max(1, as_int(data.get("attn_dp_size")) or 1)
+
+
 def per_rank_capacity(data: Mapping[str, Any], loads: Any = None) -> tuple[int, ...]:
-    """KV tokens of each data-parallel rank, from the most specific source there is."""
+    """KV tokens of each data-parallel rank, from the most specific source there is.
+
+    Every rank sizes its pool alike, so a rank that reads 0 (0.5.23 publishes a slot's
+    figures only once its scheduler has run) takes the others' size."""
     from_loads = [as_int(e.get("max_total_num_tokens")) for e in rank_loads(loads)]
-    if from_loads and all(v is not None for v in from_loads):
-        return tuple(v for v in from_loads if v is not None)
+    if from_loads and all(v is not None for v in from_loads) and any(from_loads):
+        return tuple(_sized_alike(from_loads))
     states = data.get("internal_states")
     if isinstance(states, list) and states:
         from_states = [_state_capacity(s) for s in states]
-        if from_states and all(v is not None for v in from_states):
+        if all(v is not None for v in from_states) and len(from_states) == dp_ranks(data, loads):
             return tuple(v for v in from_states if v is not None)
     per_rank = as_int(data.get("max_total_num_tokens"))
     if per_rank is None:
         return ()
-    # Every rank sizes its pool alike; scheduler_info reports rank 0's.
-    return (per_rank,) * max(1, as_int(data.get("dp_size")) or 1)
+    # scheduler_info reports rank 0's pool.
+    return (per_rank,) * dp_ranks(data, loads)
+
+
+def _sized_alike(values: Sequence[int | None]) -> list[int]:
+    """Per-rank figures where a rank that has not published yet (0.5.23 shows zeros) takes
+    the others' value: every rank's pool and limit are sized alike."""
+    known = max((v for v in values if v), default=0)
+    return [v or known for v in values]
 
 
 def parse_server_info(
@@ -136,8 +177,8 @@ def parse_server_info(
     ranks = per_rank_capacity(data, loads)
     rank_max = [as_int(e.get("max_running_requests")) for e in rank_loads(loads)]
     max_running = (
-        sum(v for v in rank_max if v is not None)
-        if rank_max and all(v is not None for v in rank_max)
+        sum(_sized_alike(rank_max))
+        if rank_max and all(v is not None for v in rank_max) and any(rank_max)
         else as_int(data.get("max_running_requests"))
     )
     served = data.get("served_model_name")
@@ -158,17 +199,16 @@ def parse_server_info(
         context_length=as_int(data.get("context_length")) or model_max_len(models),
         tp=as_int(data.get("tp_size")),
         dp=as_int(data.get("dp_size")),
+        attn_dp=as_int(data.get("attn_dp_size")),
+        seeds_honoured=data.get("enable_deterministic_inference") is True,
         args={k: data[k] for k in RECORDED_ARGS if k in data},
     )
 
 
 
 def _state_capacity(state: Any) -> int | None:
-    """One rank's capacity in `internal_states`: `memory_usage.token_capacity` or its own
-    `max_total_num_tokens`, depending on the release."""
-    if not isinstance(state, dict):
-        return None
-    usage = state.get("memory_usage")
-    if isinstance(usage, dict) and as_int(usage.get("token_capacity")) is not None:
-        return as_int(usage.get("token_capacity"))
-    return as_int(state.get("max_total_num_tokens"))
+    """One rank's capacity in `internal_states`: `memory_usage.token_capacity` (no release
+    has a `max_total_num_tokens` of its own there)."""
+    usage = state.get("memory_usage") if isinstance(state, dict) else None
+    value = as_int(usage.get("token_capacity")) if isinstance(usage, dict) else None
+    return value or None

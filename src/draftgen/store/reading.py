@@ -47,3 +47,19 @@ def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Ledg
     plan = iter_plan(out_dir)
     entries = load_ledger(out_dir / LEDGER, repair=False).entries
     return plan, entries
+
+
+def seeds_ignored_note(manifest: dict[str, Any]) -> str | None:
+    """What to tell a user whose job sends per-sample seeds to a server that ignores them
+    (SGLang without --enable-deterministic-inference); None when nothing is wrong."""
+    seed = ((manifest.get("job") or {}).get("sampling") or {}).get("seed")
+    if seed is None:
+        return None
+    urls = sorted({str(s.get("url")) for r in manifest.get("runs") or []
+                   for s in r.get("servers") or []
+                   if isinstance(s, dict) and s.get("seeds_honoured") is False})
+    if not urls:
+        return None
+    return (f"per-sample seeds ignored by this engine ({', '.join(urls)}): SGLang honours a "
+            "request's seed only when launched with --enable-deterministic-inference "
+            "(profile: deterministic_inference: true)")
