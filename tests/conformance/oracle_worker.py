@@ -290,6 +290,19 @@ class SGLangOracle:
                 return {**result, "ok": False, "error": str(e), "stage": "convert"}
         return result
 
+    def op_validate_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """One streamed chunk against the release's ChatCompletionStreamResponse: {"ok",
+        "error", "dropped_paths" (keys, nested ones too, the model has no field for), and
+        "same" (the chunk re-serialised by the model, None fields left out, equals it)}."""
+        model = self.protocol.ChatCompletionStreamResponse
+        try:
+            parsed = model.model_validate(chunk)
+        except Exception as e:
+            return {"ok": False, "error": _error(e), "dropped_paths": [], "same": False}
+        dumped = parsed.model_dump(exclude_unset=True, by_alias=True)
+        return {"ok": True, "error": None, "dropped_paths": _lost_paths(chunk, dumped),
+                "same": dumped == chunk}
+
     def _serving_chat(self) -> Any:
         server = object.__new__(self.serving_chat.OpenAIServingChat)
         server.reasoning_parser = None

@@ -8,8 +8,9 @@ parser, it resolves (or refuses) data-parallel layouts as the release does, and 
 release's own routes and collectors produce. Chat bodies it accepts, the release accepts;
 what it refuses with a message, the release refuses with the same message.
 
-Not covered (the oracle offers no operation for it): the streamed chunks against the
-release's ChatCompletionStreamResponse; tests/unit/test_standin.py pins their shape.
+Its streamed chunks (role, reasoning and content deltas, finish, the 0.5.23 sglext ids
+chunk, the usage chunk) validate against the release's ChatCompletionStreamResponse with no
+field it does not know.
 """
 
 from __future__ import annotations
@@ -317,3 +318,29 @@ async def test_chat_bodies_are_judged_like_the_release(sglang_oracle: Oracle) ->
                     assert json.loads(text)["message"] == real["error"], extra
     finally:
         await runner.cleanup()
+
+
+async def test_streamed_chunks_are_the_releases(sglang_oracle: Oracle) -> None:
+    version = sglang_oracle.version
+    cfg = StandinConfig(version=version, served_model_name="m", answer_tokens=3,
+                        reasoning_tokens=2)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 8, "stream_options": {"include_usage": True,
+                                                "continuous_usage_stats": True},
+            "return_input_ids_in_sglext": True, "return_output_ids_in_sglext": True}
+    runner, url = await start_standin(cfg)
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            text = await r.text()
+    finally:
+        await runner.cleanup()
+    chunks = [json.loads(line[len("data: "):]) for line in text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(chunks) >= 5
+    assert any("sglext" in c for c in chunks) is (version == "0.5.23")
+    for chunk in chunks:
+        verdict = sglang_oracle.ask("validate_chunk", chunk=chunk)
+        assert verdict["ok"], (chunk, verdict["error"])
+        assert verdict["dropped_paths"] == [], (chunk, verdict["dropped_paths"])
