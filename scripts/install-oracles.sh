@@ -12,6 +12,8 @@
 #   DIR/sglang-0.5.23, DIR/sglang-0.5.9   the two SGLang releases draftgen supports
 #   DIR/deps                              gguf: pure Python, imported by SGLang's model config
 #   DIR/cfg-only/config.json              a config-only model folder for SGLang's --model-path
+#   DIR/specforge                         SpecForge, the trainer our exports feed: its own data
+#                                         preprocessing reads them in tests/conformance
 #
 # Idempotent: a stamp in DIR records a finished install, and a second run returns at once.
 set -euo pipefail
@@ -20,10 +22,12 @@ VENV="${1:?usage: scripts/install-oracles.sh VENV DIR}"
 DIR="${2:?usage: scripts/install-oracles.sh VENV DIR}"
 SGLANG_VERSIONS=(0.5.23 0.5.9)
 GGUF_VERSION=0.19.0
-STAMP="$DIR/.installed-sglang-$(IFS=-; echo "${SGLANG_VERSIONS[*]}")-gguf-$GGUF_VERSION-v1"
+SPECFORGE_VERSION=0.2.0
+STAMP="$DIR/.installed-sglang-$(IFS=-; echo "${SGLANG_VERSIONS[*]}")-gguf-$GGUF_VERSION-specforge-$SPECFORGE_VERSION-v1"
 
 installed() {
     [ -f "$STAMP" ] && [ -d "$DIR/deps/gguf" ] && [ -f "$DIR/cfg-only/config.json" ] || return 1
+    [ -f "$DIR/specforge/specforge/data/prompt_builder.py" ] || return 1
     for v in "${SGLANG_VERSIONS[@]}"; do
         [ -f "$DIR/sglang-$v/sglang/srt/server_args.py" ] || return 1
     done
@@ -48,6 +52,8 @@ for v in "${SGLANG_VERSIONS[@]}"; do
     pip_target "$DIR/sglang-$v" "sglang==$v"
 done
 pip_target "$DIR/deps" "gguf==$GGUF_VERSION"
+# Its data modules need only torch, transformers, datasets and tqdm, which VENV has.
+pip_target "$DIR/specforge" "specforge==$SPECFORGE_VERSION"
 
 # A model folder with only config.json: enough for SGLang to resolve its server arguments
 # (a model path must be `dummy` or a folder with a config; 0.5.23 skips most checks for
@@ -88,4 +94,4 @@ for v in "${SGLANG_VERSIONS[@]}"; do
 done
 touch "$STAMP"
 installed
-echo "oracles installed in $DIR (sglang ${SGLANG_VERSIONS[*]}, gguf $GGUF_VERSION)"
+echo "oracles installed in $DIR (sglang ${SGLANG_VERSIONS[*]}, gguf $GGUF_VERSION, specforge $SPECFORGE_VERSION)"
