@@ -177,3 +177,18 @@ def test_what_specforges_conversation_path_trains_on(
     # A row without a system prompt gets the template's, which the target never saw.
     injected = "You are a helpful assistant." in text
     assert injected is (CASES[case][0][0] != SYSTEM), case
+
+
+def test_the_conversation_export_says_what_specforge_would_train_on(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    summary = export_run(run_dir, tmp_path / "sf.jsonl",
+                         ExportOptions("specforge", include_truncated=True))
+    notes = "\n".join(summary.notes)
+    assert "1 row(s) carry assistant turns from the source prompt" in notes
+    assert "1 row(s) are truncated" in notes and "1 row(s) have no system prompt" in notes
+    assert "--format tokens" in notes and "note: " in summary.line()
+    exact = export_run(run_dir, tmp_path / "t.jsonl",
+                       ExportOptions("tokens", tokenizer=str(build_tiny_model(
+                           ROOT / ".cache" / "tiny-model")), include_truncated=True))
+    assert not any("SpecForge" in n for n in exact.notes)

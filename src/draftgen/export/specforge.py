@@ -1,14 +1,46 @@
-"""SpecForge JSONL: string id, role/content conversations with the exact system prompt sent."""
+"""SpecForge JSONL: string id, role/content conversations with the exact system prompt sent.
+
+SpecForge renders these rows through its own chat template and masks every assistant turn
+for the loss, so some of what it trains on was not written by the target (measured with
+SpecForge 0.2.0's own preparation in tests/conformance/test_specforge_consumer.py): the
+source's earlier assistant turns, an end-of-turn token after a truncated answer, a default
+system prompt where a row has none, and the template's text after each end token. The
+export says how many rows each applies to and what to do; `--format tokens` is the exact
+path (SpecForge takes its `input_ids` and `loss_mask` as they are).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
-from draftgen.export.base import ExportOptions, Format, conversation
+from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
+
+_ADVICE = {
+    "source_turns": "carry assistant turns from the source prompt, which SpecForge masks in "
+                    "for the loss (set train_only_last_turn for multi_turn: last, or use "
+                    "--format tokens)",
+    "truncated": "are truncated: SpecForge's template appends an end-of-turn token the model "
+                 "never generated and trains on it (leave them out, or use --format tokens)",
+    "no_system": "have no system prompt: SpecForge's qwen-family templates insert 'You are a "
+                 "helpful assistant.', which the target never saw (use a template without "
+                 "one, such as lfm, or --format tokens)",
+}
 
 
 class SpecForgeFormat(Format):
+    _counts: Counter[str]
+
+    def prepare(self, ctx: ExportContext, opts: ExportOptions) -> None:
+        super().prepare(ctx, opts)
+        self._counts = Counter()
+
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
+        messages = rec["messages"]
+        self._counts["source_turns"] += any(m["role"] == "assistant" for m in messages)
+        self._counts["no_system"] += not messages or messages[0]["role"] != "system"
+        self._counts["truncated"] += any(t.get("finish_reason") == "length"
+                                         for t in rec["turns"])
         row = {
             "id": rec["id"],
             "conversations": conversation(rec, opts.reasoning),
@@ -19,3 +51,10 @@ class SpecForgeFormat(Format):
         if (kwargs := self.ctx.template_kwargs) is not None:
             row["chat_template_kwargs"] = kwargs
         return row
+
+    def notes(self) -> list[str]:
+        notes = [f"{n} row(s) {_ADVICE[k]}" for k, n in sorted(self._counts.items()) if n]
+        if self.ctx.template_kwargs is not None:
+            notes.append("rows carry chat_template_kwargs, which SpecForge's preparation does "
+                         "not apply: set its template to render the same way")
+        return notes
