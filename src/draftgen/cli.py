@@ -129,6 +129,9 @@ def run(
         help="regenerate samples whose request changed since they were recorded")] = False,
     rerun_truncated: Annotated[bool, typer.Option(
         help="re-run truncated samples of partitions with `truncation: escalate`")] = False,
+    redo_config: Annotated[list[str] | None, typer.Option(
+        help="regenerate every sample made under this server configuration (an id that "
+             "`status` lists; repeatable)")] = None,
     progress: Annotated[bool | None, typer.Option(
         help="live view (default: only on a terminal)")] = None,
     grace: Annotated[float, typer.Option(help="seconds in-flight requests get after a stop")] = 30,
@@ -150,6 +153,7 @@ def run(
                 *(flag for on, flag in ((retry_failed, "--retry-failed"),
                                         (redo_changed, "--redo-changed"),
                                         (rerun_truncated, "--rerun-truncated")) if on),
+                *(f for c in redo_config or () for f in ("--redo-config", c)),
                 *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
         pid = start_detached(args, out_dir.resolve())
         print(f"started in the background: pid {pid}, log {out_dir / LOG}\n"
@@ -162,6 +166,7 @@ def run(
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started it
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
                       redo_changed=redo_changed, rerun_truncated=rerun_truncated,
+                      redo_configs=tuple(redo_config or ()),
                       progress=progress, grace_s=grace, metrics_port=metrics_port)
     try:
         summary = asyncio.run(run_job(job, opts))
@@ -215,6 +220,10 @@ def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     if st.flags:
         _out.print("flags: " + ", ".join(f"{k} {v}" for k, v in st.flags.items()))
     _out.print(f"rejected source rows: {st.rejected}")
+    if len(st.configurations) > 1 or any(c != "unverified" for c in st.configurations):
+        _out.print("samples per server configuration (regenerate one: run JOB --redo-config ID):")
+        for line in st.configuration_lines():
+            _out.print(line, markup=False)
     for note in st.notes:
         _out.print(f"note: {note}")
     for line in st.live_lines():

@@ -65,6 +65,9 @@ class Record:
     attempts: int
     finished_at: float
     status: Literal["done"] = "done"
+    # The server's configuration when it wrote this (engine, version, model, KV dtype, ...):
+    # an id into the run manifest's `configurations`; None when it could not be verified.
+    server_config: str | None = None
 
     @property
     def finish_reason(self) -> str | None:

@@ -14,6 +14,7 @@ from test_runner import echo, last_user, make_job, rows, run
 from typer.testing import CliRunner
 
 from draftgen.cli import app
+from draftgen.errors import DraftgenError
 from draftgen.export import ExportOptions, export_run
 from draftgen.job import load_job
 from draftgen.reporting.status import read_status
@@ -163,3 +164,65 @@ def test_durations_parse() -> None:
     assert parse_duration("90m") == 5_400
     with pytest.raises(Exception, match="duration"):
         parse_duration("soon")
+
+
+async def test_samples_of_a_rejected_configuration_are_regenerated_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """The Kimi case: a server ran a configuration someone later rejects. Every record names
+    its server's configuration; `--redo-config ID` regenerates exactly those samples."""
+    job = load_job(make_job(tmp_path, rows(4)))
+    out = tmp_path / "out"
+
+    async def run_on(cfg: StandinConfig, **opts: Any) -> Any:
+        runner, url = await start_standin(cfg)
+        try:
+            return await run_job(job, RunOptions(out, servers=[url], progress=False, **opts))
+        finally:
+            await runner.cleanup()
+
+    assert (await run_on(StandinConfig(version="0.5.9"))).done == 4
+    [(old, n)] = read_status(out).configurations.items()
+    assert n == 4
+    described = read_status(out).configuration_lines()[0]
+    assert old in described and "sglang 0.5.9" in described and "KV bfloat16" in described
+    # The rejected configuration is still what this server runs: refused, nothing sent.
+    with pytest.raises(DraftgenError, match="still runs configuration"):
+        await run_on(StandinConfig(version="0.5.9"), redo_configs=(old,))
+    # Another configuration: exactly the rejected samples are sent again.
+    again = await run_on(StandinConfig(version="0.5.23"), redo_configs=(old,))
+    assert again.sent == 4
+    [(new, n)] = read_status(out).configurations.items()
+    assert new != old and n == 4
+    manifest = orjson.loads((out / "manifest.json").read_bytes())
+    assert {old, new} <= set(manifest["configurations"])
+    # Nothing left under the rejected configuration: a rerun sends nothing.
+    assert (await run_on(StandinConfig(version="0.5.23"), redo_configs=(old,))).sent == 0
+
+
+async def test_a_server_back_from_an_outage_takes_no_request_before_it_is_verified(
+    tmp_path: Path,
+) -> None:
+    """Down, then back with a lossy KV cache: the run stops (exit 2) before sending it a
+    single sample; every record is from the configuration it was verified with."""
+    cfg = StandinConfig(version="0.5.23", answer_tokens=4, token_delay_s=0.005)
+    runner, url = await start_standin(cfg)
+    out = tmp_path / "out"
+    try:
+        job = load_job(make_job(tmp_path, rows(60)))
+        run_task = asyncio.create_task(run_job(job, RunOptions(out, servers=[url],
+                                                               progress=False)))
+        while not (out / "plan.jsonl").exists() or read_status(out).done < 3:
+            await asyncio.sleep(0.02)
+        cfg.starting_polls = 10**9  # every generating request 503s: the server is down
+        await asyncio.sleep(0.3)
+        cfg.kv_cache_dtype = "fp8_e4m3"  # ...and comes back with a lossy KV cache
+        cfg.starting_polls = 0
+        summary = await asyncio.wait_for(run_task, timeout=60)
+    finally:
+        await runner.cleanup()
+    assert summary.exit_code == 2 and "quality policy" in (summary.stopped or "")
+    st = read_status(out)
+    [(verified, n)] = st.configurations.items()
+    assert n == st.done and st.done < 60
+    assert st.manifest["configurations"][verified]["kv_dtype"] == "bfloat16"

@@ -23,6 +23,7 @@ import orjson
 
 from draftgen import __version__
 from draftgen.quality.checks import ALL_FLAGS, TRUNCATION_FLAGS, check_turns, quality_flags
+from draftgen.reporting.status import describe_configuration
 from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
 from draftgen.store.reading import current_entries, seeds_ignored_note
@@ -59,6 +60,7 @@ class CardFacts:
     max_length: int
     categories: dict[str, CategoryFacts] = field(default_factory=dict)
     servers: Counter[str] = field(default_factory=Counter)
+    configurations: Counter[str] = field(default_factory=Counter)
     rejected: int = 0
 
     def total(self, name: str) -> int:
@@ -103,6 +105,7 @@ def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts
         system = msgs[0]["content"] if msgs and msgs[0].get("role") == "system" else None
         cat.system_prompts[system] += 1
         facts.servers[str(rec.get("server") or "unknown")] += 1
+        facts.configurations[str(rec.get("server_config") or "unverified")] += 1
     with contextlib.suppress(FileNotFoundError):
         facts.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines()
                              if line)
@@ -279,6 +282,13 @@ def _servers_section(f: CardFacts, m: dict[str, Any]) -> list[str]:
     if f.servers:
         out += ["Done samples per server:", "",
                 *_table(["server", "samples"], f.servers.most_common())]
+    if f.configurations:
+        known = m.get("configurations") or {}
+        out += ["Done samples per server configuration (`draftgen run JOB --redo-config ID` "
+                "regenerates those of one):", "",
+                *_table(["configuration", "what it ran", "samples"],
+                        [[cid, describe_configuration(known.get(cid)), n]
+                         for cid, n in f.configurations.most_common()])]
     # What the servers reported about themselves (engine, KV dtype, ...), wherever the
     # manifest keeps it.
     info = {k: v for k, v in m.items() if "server" in k and not k.endswith("events") and v}

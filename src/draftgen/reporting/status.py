@@ -50,6 +50,14 @@ class RunStatus:
     live: dict[str, Any] | None = None
     # What the user should know about how the data was made (seeds ignored, ...).
     notes: list[str] = field(default_factory=list)
+    # Done samples per server configuration id ("unverified" where none was recorded).
+    configurations: dict[str, int] = field(default_factory=dict)
+
+    def configuration_lines(self) -> list[str]:
+        """One line per server configuration that wrote samples, with what it was."""
+        known = self.manifest.get("configurations") or {}
+        return [f"  {cid}  {describe_configuration(known.get(cid))}: {n:,} samples"
+                for cid, n in sorted(self.configurations.items(), key=lambda kv: -kv[1])]
 
     def live_lines(self) -> list[str]:
         if not self.live:
@@ -74,6 +82,17 @@ class RunStatus:
         return d
 
 
+def describe_configuration(configuration: dict[str, Any] | None) -> str:
+    """`sglang 0.5.23, /models/Kimi-K2.5, KV fp8_e4m3` (what set it apart, in words)."""
+    if not configuration:
+        return "not verified (no configuration recorded)"
+    c = configuration
+    parts = [f"{c.get('engine')} {c.get('version') or '?'}", str(c.get("model_path") or "?"),
+             f"KV {c.get('kv_dtype') or '?'}"]
+    parts += [f"{k} {c[k]}" for k in ("dtype", "quantization", "speculative") if c.get(k)]
+    return ", ".join(parts)
+
+
 def read_status(out_dir: Path) -> RunStatus:
     plan, entries = current_entries(out_dir)
     st = RunStatus(str(out_dir), is_running(out_dir), manifest=read_manifest(out_dir))
@@ -85,6 +104,7 @@ def read_status(out_dir: Path) -> RunStatus:
             st.live = orjson.loads((out_dir / "live.json").read_bytes())
     failures: Counter[str] = Counter()
     flags: Counter[str] = Counter()
+    configurations: Counter[str] = Counter()
     planned_ids = set()
     for p in plan:
         planned_ids.add(p["id"])
@@ -97,6 +117,7 @@ def read_status(out_dir: Path) -> RunStatus:
             cat.done += 1
             cat.truncated += e.trunc
             cat.output_tokens += e.otok
+            configurations[e.cfg or "unverified"] += 1
             if e.flags:
                 flags.update(e.flags)
                 cat.flagged += bool(quality_flags(e.flags))
@@ -108,6 +129,7 @@ def read_status(out_dir: Path) -> RunStatus:
     st.stale = sum(1 for i in entries if i not in planned_ids)
     st.failures = dict(failures)
     st.flags = dict(flags)
+    st.configurations = dict(configurations)
     try:
         st.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines() if line)
     except FileNotFoundError:

@@ -41,8 +41,10 @@ class Requester:
     def __init__(self, job: JobSpec, *, client: ChatClient, writer: OutcomeWriter,
                  pool: ServerPool, scheduler: Scheduler, stats: RunStats, state: RunState,
                  clock: Clock,
-                 server_fields: Callable[[str], Mapping[str, Any]] = lambda _url: {}) -> None:
+                 server_fields: Callable[[str], Mapping[str, Any]] = lambda _url: {},
+                 server_config: Callable[[str], str | None] = lambda _url: None) -> None:
         self._client = client
+        self._server_config = server_config
         self._server_fields = server_fields
         self._writer = writer
         self._pool = pool
@@ -137,4 +139,4 @@ class Requester:
             messages.append({"role": "user", "content": followups.pop(0)})
         return Record(sample.id, sample.fingerprint, sample.category, sample.partition,
                       sample.messages, sample.followups, tuple(turns), server.url, attempts,
-                      self._clock.time())
+                      self._clock.time(), server_config=self._server_config(server.url))

@@ -39,7 +39,7 @@ from draftgen.sample import (
 )
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import Scheduler
-from draftgen.schedule.pool import ServerPool, ServerState
+from draftgen.schedule.pool import ServerPool
 from draftgen.schedule.static import StaticScheduler
 from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
@@ -54,6 +54,9 @@ class RunOptions:
     retry_failed: bool = False
     redo_changed: bool = False
     rerun_truncated: bool = False
+    # Regenerate every sample a server wrote under these configurations (ids in the
+    # manifest's `configurations`, as `status` lists them).
+    redo_configs: tuple[str, ...] = ()
     progress: bool | None = None  # None: live view only on a terminal
     grace_s: float = 30.0
     metrics_port: int | None = None  # serve Prometheus metrics here (0: a free port)
@@ -88,7 +91,6 @@ class Runner:
         self.stats = RunStats(clock)
         self._state = RunState()
         self._urls: list[str] = []
-        self._background: set[asyncio.Task[None]] = set()
         self.pool: ServerPool | None = None
         self.metrics: MetricsExporter | None = None
         self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
@@ -99,8 +101,11 @@ class Runner:
         with RunStore.open(self.opts.out_dir) as store:
             plan, escalating = escalate(plan, self.job, store.entries,
                                         rerun=self.opts.rerun_truncated)
+            rejected = set(self.opts.redo_configs)
+            regenerate = {e.id for e in store.entries.values() if e.cfg in rejected}
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
-                                 redo_changed=self.opts.redo_changed, redo=escalating)
+                                 redo_changed=self.opts.redo_changed, redo=escalating,
+                                 regenerate=regenerate)
             started = time.time()
             self._servers = AttachedServers(self.job, list(self.opts.servers),
                                             self.opts.out_dir / "servers")
@@ -116,6 +121,11 @@ class Runner:
                                            "the job or pass --server URL")
                         for url in self._urls:
                             await self._servers.verify(url)
+                            if self._servers.configuration_of(url) in rejected:
+                                raise JobError(
+                                    f"--redo-config: {url} still runs configuration "
+                                    f"{self._servers.configuration_of(url)}; restart it with "
+                                    "the settings you want first")
                     client = await stack.enter_async_context(ChatClient(
                         api_key=read_api_key(self.job) if todo else None,
                         idle_timeout_s=self.job.client.idle_timeout_s,
@@ -138,6 +148,7 @@ class Runner:
                 snap.sent, snap.elapsed_s, self._state.stop_reason, snap,
                 self._state.exit_code,
             )
+            manifest.setdefault("configurations", {}).update(self._servers.configurations)
             manifest["runs"][-1].update(
                 ended_at=time.time(), duration_s=round(time.time() - started, 3),
                 sent=summary.sent, done=summary.done, failed=summary.failed,
@@ -190,6 +201,7 @@ class Runner:
             "rejected": len(plan.rejected),
             "token_count": plan.token_count_label,
         }
+        manifest.setdefault("configurations", {}).update(self._servers.configurations)
         manifest["runs"].append({
             "started_at": time.time(),
             "servers": self._servers.records,
@@ -201,11 +213,11 @@ class Runner:
     async def _run(self, todo: list[Sample], client: ChatClient, events: EventLog) -> None:
         state = self._state
         pool = self.pool = ServerPool(
-            self._urls, clock=self.clock, probe=lambda url: self._probe(client, url),
+            self._urls, clock=self.clock, probe=lambda url: self._probe(client, url, events),
             hang_timeout_s=self.job.client.hang_timeout_s,
             probe_timeout_s=self.job.client.probe_timeout_s,
             on_hang=lambda server: state.requeue_tasks(list(server.tasks)),
-            on_up=lambda s: self._on_server_up(s, events), log=events.add,
+            on_up=lambda _server: state.wake.set(), log=events.add,
         )
         dispatcher = Dispatcher(prefix_order(todo) if self.job.order == "prefix" else todo,
                                 self.job.partitions, scheduler=self.scheduler, pool=pool,
@@ -232,7 +244,8 @@ class Runner:
                 requester = Requester(self.job, client=client, writer=writer, pool=pool,
                                       scheduler=self.scheduler, stats=self.stats, state=state,
                                       clock=self.clock,
-                                      server_fields=self._servers.request_fields)
+                                      server_fields=self._servers.request_fields,
+                                      server_config=self._servers.configuration_of)
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(dispatcher.run(requester, tg), name="dispatch")
                 for t in helpers:
@@ -256,29 +269,22 @@ class Runner:
         print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         return self.metrics
 
-    def _on_server_up(self, server: ServerState, events: EventLog) -> None:
-        self._state.wake.set()
-        task = asyncio.create_task(self._reverify(server.url, events))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _reverify(self, url: str, events: EventLog) -> None:
-        """A server back from an outage may have been restarted with other settings."""
+    async def _probe(self, client: ChatClient, url: str, events: EventLog) -> None:
+        """A down server is up again once it generates and has been verified again: it may
+        have been restarted with other settings, and it takes no request before that."""
+        body = {"model": self.job.model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "ping"}]}
+        await client.chat(url, body)
         try:
             record = await self._servers.verify(url)
         except QualityPolicyError as e:
             events.add(f"{url} refused after its restart: {e}")
             self._stop(f"quality policy: {url} came back with a lossy KV cache", exit_code=2)
             self._state.cancel_in_flight()
-            return
+            raise
         if record is not None and record.get("changed_mid_run"):
             events.add(f"{url} came back with other settings: KV dtype "
                        f"{record.get('kv_dtype')}, {record.get('kv_tokens')} KV tokens")
-
-    async def _probe(self, client: ChatClient, url: str) -> None:
-        body = {"model": self.job.model, "max_tokens": 1,
-                "messages": [{"role": "user", "content": "ping"}]}
-        await client.chat(url, body)
 
     async def _watch_writer(self, writer: OutcomeWriter) -> None:
         await writer.failed.wait()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.job import JobSpec
-from draftgen.servers.base import ServerInfoError
+from draftgen.servers.base import ServerInfoError, configuration_id
 from draftgen.servers.info import engine_for, fetch_server_info, manifest_record
 from draftgen.servers.launcher import launch, stop
 from draftgen.servers.policy import check_profile, check_running
@@ -39,6 +39,9 @@ class AttachedServers:
     _identity: dict[str, Any] = field(default_factory=dict)
     _launched: list[ServerProfile] = field(default_factory=list)
     _engines: dict[str, str] = field(default_factory=dict)
+    # Each server's configuration as last verified (id), and every configuration seen.
+    _config_of: dict[str, str] = field(default_factory=dict)
+    configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> AttachedServers:
         if self.override_urls:
@@ -89,6 +92,10 @@ class AttachedServers:
         self.urls.append(verified.handle.url)
         self._profiles[verified.handle.url] = profile
 
+    def configuration_of(self, url: str) -> str | None:
+        """The id of the configuration `url` was last verified with (None: unverified)."""
+        return self._config_of.get(url)
+
     def request_fields(self, url: str) -> Mapping[str, Any]:
         """Fields every request to `url` carries for its engine (token ids); none while the
         engine is unknown, since one engine's field must never reach another."""
@@ -111,6 +118,10 @@ class AttachedServers:
         else:
             identity = info.identity()
             self._engines[url] = info.engine
+            configuration = info.configuration()
+            cid = configuration_id(configuration)
+            self._config_of[url] = cid
+            self.configurations[cid] = configuration
             if info.kv_dtype is None:
                 record = {**manifest_record(info, profile=profile), "verified": False,
                           "reason": f"KV dtype unknown: {info.kv_dtype_note}"}

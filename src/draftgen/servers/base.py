@@ -11,6 +11,7 @@ it, `run` records it in the manifest, and `serve` prints it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from abc import ABC, abstractmethod
@@ -85,12 +86,31 @@ class ServerInfo:
             "seeds_honoured": self.seeds_honoured,
         }
 
+    def configuration(self) -> dict[str, Any]:
+        """What decides the text this server writes: the same configuration, the same
+        model behaviour. Every record names its server's (see `configuration_id`)."""
+        return {
+            "engine": self.engine,
+            "version": self.version,
+            "model_path": self.model_path,
+            "kv_dtype": self.kv_dtype,
+            "dtype": self.args.get("dtype"),
+            "quantization": self.args.get("quantization"),
+            "speculative": self.args.get("speculative_algorithm"),
+        }
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ServerInfo:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         kwargs["kv_tokens_per_rank"] = tuple(kwargs.get("kv_tokens_per_rank") or ())
         return cls(**kwargs)
+
+
+def configuration_id(configuration: Mapping[str, Any]) -> str:
+    """A short stable name for a server configuration (a hash of it)."""
+    text = json.dumps(dict(configuration), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 class Engine(ABC):

@@ -31,6 +31,8 @@ class LedgerEntry:
     t: float = 0.0
     # Output check codes (draftgen.quality.checks); None when clean or recorded before checks.
     flags: list[str] | None = None
+    # The server configuration that wrote it (an id into the manifest's `configurations`).
+    cfg: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LedgerEntry:

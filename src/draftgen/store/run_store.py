@@ -54,7 +54,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
             part=record.partition, shard=spot[0], off=spot[1], len=spot[2],
             otok=record.output_tokens, finish=record.finish_reason, trunc=record.truncated,
             attempts=record.attempts, t=record.finished_at,
-            flags=list(check_turns(record.turns)) or None,
+            flags=list(check_turns(record.turns)) or None, cfg=record.server_config,
         )
     turns = d.get("turns") or []
     return LedgerEntry(
@@ -64,7 +64,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
         finish=turns[-1].get("finish_reason") if turns else None,
         trunc=any(t.get("finish_reason") == "length" for t in turns),
         attempts=int(d.get("attempts") or 0), t=float(d.get("finished_at") or 0.0),
-        flags=list(check_turns(turns)) or None,
+        flags=list(check_turns(turns)) or None, cfg=d.get("server_config"),
     )
 
 
@@ -127,9 +127,12 @@ class RunStore:
                      b"".join(orjson.dumps(r) + b"\n" for r in rejected))
 
     def pending(self, samples: list[Sample], *, retry_failed: bool = False,
-                redo_changed: bool = False, redo: Set[str] = frozenset()) -> list[Sample]:
+                redo_changed: bool = False, redo: Set[str] = frozenset(),
+                regenerate: Set[str] = frozenset()) -> list[Sample]:
         """Samples still to send. Refuses to mix records made from different requests,
-        except for the ids in `redo`, whose requests were changed on purpose."""
+        except for the ids in `redo`, whose requests were changed on purpose. The ids in
+        `regenerate` are sent again whatever their record (their old one stays until the
+        new one replaces it, so an interrupted regeneration loses nothing)."""
         changed = [
             s for s in samples
             if (e := self.entries.get(s.id)) is not None and e.fp != s.fingerprint
@@ -145,7 +148,7 @@ class RunStore:
         todo = []
         for s in samples:
             e = self.entries.get(s.id)
-            if (e is None or e.fp != s.fingerprint
+            if (e is None or e.fp != s.fingerprint or s.id in regenerate
                     or (retry_failed and e.status == "failed")):
                 todo.append(s)
         return todo
