@@ -244,6 +244,11 @@ def export(
         help="also export samples the output checks flagged")] = False,
     tokenizer: Annotated[str | None, typer.Option(
         help="tokenizer for --format tokens (default: the job's)")] = None,
+    ids: Annotated[str, typer.Option(
+        help="draftgen (category-id) or source: the source row's own id where it is unique")
+    ] = "draftgen",
+    order: Annotated[str, typer.Option(help="plan, or source: the source files' row order")
+                     ] = "plan",
 ) -> None:
     """Write completed samples as training data; failed, truncated and flagged are left out."""
     from draftgen.export import ExportOptions, export_run
@@ -251,8 +256,12 @@ def export(
     if reasoning not in ("inline", "field", "drop"):
         raise _fail(JobError(f"--reasoning: {reasoning!r} is not inline, field or drop"))
     try:
+        if ids not in ("draftgen", "source") or order not in ("plan", "source"):
+            raise JobError(f"--ids must be draftgen or source (got {ids!r}); --order must "
+                           f"be plan or source (got {order!r})")
         opts = ExportOptions(format, reasoning, include_truncated,  # type: ignore[arg-type]
-                             include_flagged=include_flagged, tokenizer=tokenizer)
+                             include_flagged=include_flagged, tokenizer=tokenizer,
+                             ids=ids, order=order)  # type: ignore[arg-type]
         s = export_run(out_dir, to, opts)
     except DraftgenError as e:
         raise _fail(e) from None

@@ -33,6 +33,8 @@ class Sample:
     prompt_tokens: int = 0
     source: str = ""
     fingerprint: str = ""
+    # The source row's own id (its `id_field`), for exports that keep the source's ids.
+    source_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

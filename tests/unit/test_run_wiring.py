@@ -226,3 +226,32 @@ async def test_a_server_back_from_an_outage_takes_no_request_before_it_is_verifi
     [(verified, n)] = st.configurations.items()
     assert n == st.done and st.done < 60
     assert st.manifest["configurations"][verified]["kv_dtype"] == "bfloat16"
+
+
+async def test_export_keeps_source_ids_and_source_order_when_asked(tmp_path: Path) -> None:
+    data = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"question {i}"}]}
+            for i in range(8)]
+    job = make_job(tmp_path, data)
+    async with FakeServer(responder=echo) as server:
+        await run(job, server)
+    out = tmp_path / "out"
+
+    def exported(**kw: Any) -> list[str]:
+        export_run(out, tmp_path / "x.jsonl", ExportOptions(**kw))
+        return [orjson.loads(r)["id"] for r in (tmp_path / "x.jsonl").read_bytes().splitlines()]
+
+    plan_order = exported()
+    assert sorted(plan_order) == sorted(f"chat-{r['id']}" for r in data)
+    assert plan_order != sorted(plan_order, key=lambda i: int(i.split("q")[-1]))  # shuffled
+    source = exported(ids="source", order="source")
+    assert source == [f"q{i}" for i in range(8)]  # source order, the source's own ids
+
+
+def test_a_source_id_that_would_name_two_rows_keeps_draftgens() -> None:
+    from draftgen.export.run import _export_ids
+
+    plan = [{"id": "a-1", "source_id": "x"}, {"id": "x"},  # "x" is already a row's id
+            {"id": "a-2", "source_id": "d"}, {"id": "b-2", "source_id": "d"},  # shared
+            {"id": "a-3", "source_id": "e"}]
+    assert _export_ids(plan, "source") == {"a-3": "e"}
+    assert _export_ids(plan, "draftgen") == {}

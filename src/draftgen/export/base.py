@@ -26,6 +26,11 @@ class ExportOptions:
     include_flagged: bool = False
     # The `tokens` format's tokenizer (a local directory or hub name); default: the job's.
     tokenizer: str | None = None
+    # "source": each row keeps its source row's own id where it has one and no other row
+    # of the export shares it (else draftgen's `category-id`).
+    ids: Literal["draftgen", "source"] = "draftgen"
+    # "source": rows in the order of their source files and rows, not the plan's.
+    order: Literal["plan", "source"] = "plan"
 
 
 @dataclass(frozen=True, slots=True)

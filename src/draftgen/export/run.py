@@ -41,6 +41,27 @@ class ExportSummary:
 
 
 
+def _source_position(row: dict[str, Any]) -> tuple[str, int, str]:
+    """(file, row number, id) of a plan row whose `source` is `file:row`."""
+    name, _, line = str(row.get("source") or "").rpartition(":")
+    return (name, int(line), row["id"]) if line.isdigit() else (str(row.get("source")), -1,
+                                                                 row["id"])
+
+
+def _export_ids(plan: list[dict[str, Any]], mode: str) -> dict[str, str]:
+    """draftgen id → the id to write, where that differs: the source's own, when unique."""
+    if mode != "source":
+        return {}
+    owners: dict[str, list[str]] = {}
+    for p in plan:
+        if p.get("source_id") is not None:
+            owners.setdefault(str(p["source_id"]), []).append(p["id"])
+    mapped = {ids[0]: sid for sid, ids in owners.items() if len(ids) == 1}
+    # A source id that is another row's draftgen id would name two rows: keep draftgen's.
+    unmapped = {p["id"] for p in plan} - mapped.keys()
+    return {pid: sid for pid, sid in mapped.items() if sid not in unmapped}
+
+
 def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
     formats = registry.formats()
     fmt = formats.get(opts.format)
@@ -56,6 +77,9 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
     counts = {"failed": 0, "truncated": 0, "empty": 0, "pending": 0, "exported": 0,
               "flagged": 0}
     files: dict[str, BinaryIO] = {}
+    if opts.order == "source":
+        plan = sorted(plan, key=_source_position)
+    ids = _export_ids(plan, opts.ids)
 
     def rows() -> Iterator[dict[str, Any]]:
         for p in plan:
@@ -78,6 +102,7 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
                     continue
                 counts["exported"] += 1
                 row = fmt.row(rec, opts)
+                row["id"] = ids.get(p["id"], p["id"])
                 if e.trunc:
                     row["truncated"] = True
                 yield row

@@ -210,6 +210,8 @@ def _plan_category(
                 prompt_tokens=tokens,
                 source=f"{reader.name}:{prompt.row}",
                 fingerprint=fingerprint(base, digest, max_tokens, sample_seed),
+                source_id=(None if prompt.id is None
+                           else f"{prompt.id}-{k}" if spp > 1 else str(prompt.id)),
             ))
         st.samples += spp
         st.prompt_tokens += tokens * spp

@@ -119,6 +119,7 @@ class RunStore:
                 "id": s.id, "category": s.category, "partition": s.partition,
                 "fingerprint": s.fingerprint, "prompt_tokens": s.prompt_tokens,
                 "max_tokens": s.max_tokens, "source": s.source,
+                **({"source_id": s.source_id} if s.source_id is not None else {}),
             }) + b"\n"
             for s in samples
         )
