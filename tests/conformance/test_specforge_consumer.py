@@ -192,3 +192,13 @@ def test_the_conversation_export_says_what_specforge_would_train_on(
                        ExportOptions("tokens", tokenizer=str(build_tiny_model(
                            ROOT / ".cache" / "tiny-model")), include_truncated=True))
     assert not any("SpecForge" in n for n in exact.notes)
+
+
+def test_the_dataset_card_says_which_path_is_exact(run_dir: Path) -> None:
+    from draftgen.reporting.card import write_card
+
+    card = write_card(run_dir).read_text()
+    section = card.split("## Training with SpecForge", 1)[1].split("\n## ", 1)[0]
+    assert "--format tokens`" in section and "`data.prompts_path`" in section
+    assert "1 with source assistant turns; 1 with no system prompt; 1 with truncated" in section
+    assert "Token ids: 0 of 5 done samples carry the server's own ids" in section

@@ -61,6 +61,10 @@ class CardFacts:
     categories: dict[str, CategoryFacts] = field(default_factory=dict)
     servers: Counter[str] = field(default_factory=Counter)
     configurations: Counter[str] = field(default_factory=Counter)
+    # Done samples SpecForge's conversation path would train on beyond the target's output.
+    trainer_gaps: Counter[str] = field(default_factory=Counter)
+    # Done samples whose every turn carries the server's own token ids.
+    server_ids: int = 0
     rejected: int = 0
 
     def total(self, name: str) -> int:
@@ -104,6 +108,11 @@ def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts
         msgs = rec.get("messages") or []
         system = msgs[0]["content"] if msgs and msgs[0].get("role") == "system" else None
         cat.system_prompts[system] += 1
+        facts.trainer_gaps["source assistant turns"] += any(
+            m.get("role") == "assistant" for m in msgs)
+        facts.trainer_gaps["no system prompt"] += system is None
+        facts.trainer_gaps["truncated"] += bool(e.trunc)
+        facts.server_ids += bool(turns) and all(t.get("token_ids") is not None for t in turns)
         facts.servers[str(rec.get("server") or "unknown")] += 1
         facts.configurations[str(rec.get("server_config") or "unverified")] += 1
     with contextlib.suppress(FileNotFoundError):
@@ -158,6 +167,7 @@ def render_card(facts: CardFacts, *, now: float | None = None) -> str:
     out += _max_length_section(facts)
     out += _recipe_section(job, m)
     out += _servers_section(facts, m)
+    out += _training_section(facts)
     out += _system_prompts_section(facts)
     return "\n".join(out).rstrip() + "\n"
 
@@ -298,6 +308,26 @@ def _servers_section(f: CardFacts, m: dict[str, Any]) -> list[str]:
     for k, v in info.items():
         out += [f"{k}:", "", *_json_block(v)]
     return out
+
+
+def _training_section(f: CardFacts) -> list[str]:
+    gaps = [f"{n} with {what}" for what, n in f.trainer_gaps.items() if n]
+    return [
+        "## Training with SpecForge", "",
+        "Exact path: `draftgen export OUT --format tokens` given to SpecForge as "
+        "`data.prompts_path` (pre-tokenised: every masked token is one the target "
+        "generated). Conversation path (`--format specforge` as `data.train_data_path`): "
+        "SpecForge's template masks in its own newline after each end-of-turn token, and "
+        + ("for this data also: " + "; ".join(gaps) + " (source turns: set "
+           "`train_only_last_turn`; no system prompt: its qwen templates insert one; "
+           "truncated: leave them out of the export)." if gaps else
+           "nothing else for this data."),
+        "",
+        f"Token ids: {f.server_ids} of {f.total('done')} done samples carry the server's own "
+        "ids, which `--format tokens` exports as they are; the rest are tokenised with the "
+        "job's tokenizer and chat template (`metadata.token_source` says which, per row).",
+        "",
+    ]
 
 
 def _system_prompts_section(f: CardFacts) -> list[str]:
