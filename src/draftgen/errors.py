@@ -65,5 +65,12 @@ class BadRequest(Permanent):
     reason = "bad_request"
 
 
+class RunError(Permanent):
+    """Concerns the whole run, not one sample — a refused API key, a model the server does
+    not serve, a URL with no chat endpoint: the run stops at once and no sample is charged."""
+
+    reason = "run_error"
+
+
 class ContextTooLong(Permanent):
     reason = "context_too_long"

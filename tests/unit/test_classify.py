@@ -16,6 +16,7 @@ from draftgen.errors import (
     BadRequest,
     ContextTooLong,
     RequestError,
+    RunError,
     ServerDown,
     Transient,
 )
@@ -40,7 +41,6 @@ CONTEXT_MESSAGES = [
 
 OTHER_MESSAGES = [
     "temperature must be non-negative, got -1.0",
-    "The model `gpt-4` does not exist.",
     "1 validation error for ChatCompletionRequest messages Field required",
 ]
 
@@ -60,11 +60,12 @@ def _body(message: str, status: int) -> bytes:
         (504, Transient),
         (507, Transient),
         (400, BadRequest),
-        (404, BadRequest),
+        # Run-level: every sample would fail alike (key, model, endpoint).
+        (404, RunError),
         (413, BadRequest),
         (422, BadRequest),
-        (401, BadRequest),
-        (403, BadRequest),
+        (401, RunError),
+        (403, RunError),
         (302, BadRequest),
     ],
 )
@@ -165,3 +166,9 @@ def test_stream_error_objects(
 def test_stream_error_redacts_key() -> None:
     err = classify_stream_error({"message": f"header Bearer {KEY}", "code": 400}, secret=KEY)
     assert KEY not in str(err)
+
+
+@pytest.mark.parametrize("message", ["The model `gpt-4` does not exist.",
+                                     "Model 'kimi' not found"])
+def test_a_model_the_server_lacks_concerns_the_whole_run(message: str) -> None:
+    assert type(classify_status(400, _body(message, 400))) is RunError

@@ -57,8 +57,6 @@ async def test_the_api_key_never_reaches_disk_or_messages(
         q = last_user(body)
         if q == "question 0":  # a server that echoes the key back in its error
             return error_reply(400, f"bad key Bearer {SECRET} rejected")
-        if q == "question 1":
-            return error_reply(401, f"invalid api key {SECRET}")
         return echo(body)
 
     job = make_job(tmp_path, rows(3))
@@ -66,7 +64,7 @@ async def test_the_api_key_never_reaches_disk_or_messages(
     async with FakeServer(responder=replies) as server:
         summary = await run(job, server)
     assert server.seen[0].headers["Authorization"] == f"Bearer {SECRET}"
-    assert (summary.done, summary.failed) == (1, 2)
+    assert (summary.done, summary.failed) == (2, 1)
     for p in (tmp_path / "out").rglob("*"):
         if p.is_file():
             assert SECRET.encode() not in p.read_bytes(), p
@@ -136,3 +134,32 @@ async def test_a_write_error_stops_the_run_and_a_rerun_completes_it(
     ids = [orjson.loads(x)["id"] for p in sorted((tmp_path / "out" / "shards").glob("*"))
            for x in p.read_bytes().splitlines()]
     assert len(ids) == len(set(ids)) == 20
+
+
+@pytest.mark.parametrize("status, body, says", [
+    (401, b'{"error": "Incorrect API key provided: sk-ab***"}', "refused the API key"),
+    (404, b'{"error": {"message": "The model `fake` does not exist."}}', "no such model"),
+])
+async def test_a_run_level_error_stops_the_run_and_charges_no_sample(
+    tmp_path: Path, status: int, body: bytes, says: str
+) -> None:
+    job = make_job(tmp_path, rows(20), conc=2)
+    async with FakeServer(responder=lambda _b: Reply(status=status, body=body)) as server:
+        summary = await run(job, server)
+        sent = len(server.seen)
+    assert summary.exit_code == 1 and says in (summary.stopped or "")
+    assert summary.failed == 0 and summary.done == 0 and summary.pending == 20
+    assert sent <= 2  # the requests in flight when it was found, nothing after
+    assert read_status(tmp_path / "out").failed == 0
+
+
+def test_a_server_url_without_a_scheme_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from draftgen.cli import app
+
+    job = make_job(tmp_path, rows(2))
+    result = CliRunner().invoke(app, ["run", str(job), "--server", "localhost:8000"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        "error: --server: 'localhost:8000' is not an http(s) URL (write http://localhost:8000)")

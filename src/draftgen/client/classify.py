@@ -16,6 +16,7 @@ from draftgen.errors import (
     BadRequest,
     ContextTooLong,
     RequestError,
+    RunError,
     ServerDown,
     Transient,
 )
@@ -65,6 +66,12 @@ _REASONS = {
 def says_context_too_long(text: str) -> bool:
     lowered = text.lower()
     return any(phrase in lowered for phrase in _CONTEXT_PHRASES)
+
+
+def _says_no_such_model(text: str) -> bool:
+    # vLLM: "The model `x` does not exist."; SGLang and gateways: "model ... not found".
+    lowered = text.lower()
+    return "model" in lowered and ("does not exist" in lowered or "not found" in lowered)
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -122,7 +129,7 @@ def classify_status(status: int, body: bytes | str, *, secret: str | None = None
     if status in (401, 403):
         # Servers echo keys back ("Incorrect API key provided: sk-ab***yz"), so the body is
         # left out entirely rather than trusted to be free of a key fragment.
-        return BadRequest(f"{label}: the server refused the API key", status=status)
+        return RunError(f"{label}: the server refused the API key", status=status)
     text = excerpt(body, secret=secret)
     message = f"{label}: {text}" if text else label
     if status in (502, 503):
@@ -131,6 +138,9 @@ def classify_status(status: int, body: bytes | str, *, secret: str | None = None
         if status == 500 and says_context_too_long(text):
             return ContextTooLong(message, status=status)
         return Transient(message, status=status)
+    if status == 404 or (400 <= status < 500 and _says_no_such_model(text)):
+        return RunError(f"{message} (no such model or chat endpoint at this URL)",
+                        status=status)
     if 400 <= status < 500:
         if says_context_too_long(text):
             return ContextTooLong(message, status=status)

@@ -28,7 +28,7 @@ from draftgen.client.classify import (
 )
 from draftgen.client.sse import DONE, SSEDecoder
 from draftgen.clock import REAL_CLOCK, Clock
-from draftgen.errors import BadRequest, RequestError, ServerDown, Transient
+from draftgen.errors import RequestError, RunError, ServerDown, Transient
 from draftgen.sample import Turn
 
 CHAT_PATH = "/v1/chat/completions"
@@ -300,7 +300,7 @@ class ChatClient:
         if isinstance(err, TimeoutError):
             return Transient(f"no response from {url} for {self._idle_timeout_s}s")
         if isinstance(err, aiohttp.InvalidURL):
-            return BadRequest(f"invalid server URL: {detail}")
+            return RunError(f"invalid server URL: {detail}")
         if isinstance(err, aiohttp.ClientConnectorError | aiohttp.ServerDisconnectedError):
             return ServerDown(f"cannot reach {url}: {detail}")
         if isinstance(err, aiohttp.ClientOSError):

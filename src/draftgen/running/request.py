@@ -16,7 +16,7 @@ from typing import Any
 
 from draftgen.client import ChatClient
 from draftgen.clock import Clock
-from draftgen.errors import RequestError, ServerDown
+from draftgen.errors import RequestError, RunError, ServerDown
 from draftgen.job import JobSpec
 from draftgen.running.retry import Backoff, with_retries
 from draftgen.running.state import PartitionQueue, RunState
@@ -65,6 +65,10 @@ class Requester:
             outcome = await self._generate(flight, server)
         except _Bounce as b:
             self._pool.mark_down(server, str(b.err))
+        except RunError as e:
+            # Every sample would fail the same way: stop the run, charge none.
+            self._state.request_stop(f"{server.url}: {e}", exit_code=1)
+            self._state.cancel_in_flight(but=asyncio.current_task())
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task not in self._state.requeue:
@@ -121,6 +125,8 @@ class Requester:
                     self._backoff, clock=self._clock, rng=self._rng,
                     on_retry=lambda *_: self._stats.retried(),
                 )
+            except RunError:
+                raise
             except RequestError as e:
                 return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
                                e.reason, str(e), attempts + getattr(e, "attempts", 1),

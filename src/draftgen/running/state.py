@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from draftgen.sample import Sample
 
@@ -41,9 +42,10 @@ class RunState:
         self.stop.set()
         self.wake.set()
 
-    def cancel_in_flight(self) -> None:
+    def cancel_in_flight(self, but: asyncio.Task[Any] | None = None) -> None:
         for t in list(self.tasks):
-            t.cancel()
+            if t is not but:
+                t.cancel()
 
     def requeue_tasks(self, tasks: list[asyncio.Task[None]]) -> None:
         """Cancel these requests; each goes back to the front of its queue, uncharged."""

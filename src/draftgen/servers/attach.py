@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.servers.base import ServerInfoError, configuration_id
 from draftgen.servers.info import engine_for, fetch_server_info, manifest_record
@@ -25,6 +27,15 @@ from draftgen.servers.launcher import launch, stop
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.process import find_free_port
 from draftgen.servers.profile import ServerProfile, load_profile
+
+
+def check_url(url: str, where: str) -> str:
+    """`url` when it is an http(s) base URL; a JobError naming `where` otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        hint = f" (write http://{url})" if "://" not in url else ""
+        raise JobError(f"{where}: {url!r} is not an http(s) URL{hint}")
+    return url
 
 
 @dataclass(slots=True)
@@ -45,7 +56,7 @@ class AttachedServers:
 
     async def __aenter__(self) -> AttachedServers:
         if self.override_urls:
-            self.urls = [u.rstrip("/") for u in self.override_urls]
+            self.urls = [check_url(u, "--server").rstrip("/") for u in self.override_urls]
             return self
         try:
             for s in self.job.servers:
@@ -53,7 +64,7 @@ class AttachedServers:
                     await self._launch(load_profile(self.job.resolve(s.launch)))
                 else:
                     assert s.url is not None
-                    self.urls.append(s.url)
+                    self.urls.append(check_url(s.url, "servers"))
                     if s.profile is not None:
                         self._profiles[s.url] = load_profile(self.job.resolve(s.profile))
         except BaseException:
