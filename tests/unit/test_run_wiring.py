@@ -186,6 +186,9 @@ async def test_samples_of_a_rejected_configuration_are_regenerated_and_nothing_e
     assert n == 4
     described = read_status(out).configuration_lines()[0]
     assert old in described and "sglang 0.5.9" in described and "KV bfloat16" in described
+    # An id no record has is a typo, not "nothing to do".
+    with pytest.raises(DraftgenError, match="no configuration nope"):
+        await run_on(StandinConfig(version="0.5.23"), redo_configs=("nope",))
     # The rejected configuration is still what this server runs: refused, nothing sent.
     with pytest.raises(DraftgenError, match="still runs configuration"):
         await run_on(StandinConfig(version="0.5.9"), redo_configs=(old,))

@@ -40,12 +40,18 @@ class ExportSummary:
                 f"{self.pending} pending" + "".join(f"\nnote: {n}" for n in self.notes))
 
 
+def _in_source_order(plan: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Plan rows by source file (in the order the job reads them) and row; the samples of
+    one prompt keep their plan order (the sort is stable)."""
+    files: dict[str, int] = {}
 
-def _source_position(row: dict[str, Any]) -> tuple[str, int, str]:
-    """(file, row number, id) of a plan row whose `source` is `file:row`."""
-    name, _, line = str(row.get("source") or "").rpartition(":")
-    return (name, int(line), row["id"]) if line.isdigit() else (str(row.get("source")), -1,
-                                                                 row["id"])
+    def position(row: dict[str, Any]) -> tuple[int, int]:
+        name, _, line = str(row.get("source") or "").rpartition(":")
+        return files.setdefault(name, len(files)), int(line) if line.isdigit() else -1
+
+    for row in plan:
+        position(row)  # number the files in plan order first
+    return sorted(plan, key=position)
 
 
 def _export_ids(plan: list[dict[str, Any]], mode: str) -> dict[str, str]:
@@ -78,7 +84,7 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
               "flagged": 0}
     files: dict[str, BinaryIO] = {}
     if opts.order == "source":
-        plan = sorted(plan, key=_source_position)
+        plan = _in_source_order(plan)
     ids = _export_ids(plan, opts.ids)
 
     def rows() -> Iterator[dict[str, Any]]:

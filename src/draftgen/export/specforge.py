@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
+from draftgen.quality.checks import trainer_gaps
 
 _ADVICE = {
     "source_turns": "carry assistant turns from the source prompt, which SpecForge masks in "
@@ -36,11 +37,7 @@ class SpecForgeFormat(Format):
         self._counts = Counter()
 
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
-        messages = rec["messages"]
-        self._counts["source_turns"] += any(m["role"] == "assistant" for m in messages)
-        self._counts["no_system"] += not messages or messages[0]["role"] != "system"
-        self._counts["truncated"] += any(t.get("finish_reason") == "length"
-                                         for t in rec["turns"])
+        self._counts.update(trainer_gaps(rec))
         row = {
             "id": rec["id"],
             "conversations": conversation(rec, opts.reasoning),

@@ -149,8 +149,8 @@ def server_token_ids(rec: Mapping[str, Any]) -> tuple[list[int], list[int]] | No
     A turn's prompt ids followed by its generated ids are exactly what the model read and
     wrote. For several turns the last turn's prompt holds the earlier answers as the
     template re-rendered them; each earlier answer is masked where its generated ids appear
-    there unchanged, and the record is rendered instead when one does not (the template
-    rewrote it, so those ids are not what the model wrote).
+    there unchanged, right after its own prompt, and the record is rendered instead when
+    one does not (the template rewrote it, so those ids are not what the model wrote).
     """
     turns = rec.get("turns") or []
     got = [(t.get("prompt_token_ids"), t.get("token_ids")) for t in turns]
@@ -158,25 +158,13 @@ def server_token_ids(rec: Mapping[str, Any]) -> tuple[list[int], list[int]] | No
         return None
     prompt, generated = got[-1]
     mask = [0] * len(prompt)
-    cursor = len(got[0][0])
-    for _, earlier in got[:-1]:
-        at = _find(prompt, earlier, cursor)
-        if at < 0:
+    for earlier_prompt, earlier in got[:-1]:
+        # Turn k's answer follows its own prompt, which the last prompt extends.
+        at = len(earlier_prompt)
+        if prompt[:at] != earlier_prompt or prompt[at:at + len(earlier)] != earlier:
             return None
         mask[at:at + len(earlier)] = [1] * len(earlier)
-        cursor = at + len(earlier)
     return [*prompt, *generated], mask + [1] * len(generated)
-
-
-def _find(haystack: Sequence[int], needle: Sequence[int], start: int) -> int:
-    """Where `needle` first occurs in `haystack` at or after `start`; -1 if nowhere."""
-    if not needle:
-        return -1
-    first, n = needle[0], len(needle)
-    for i in range(start, len(haystack) - n + 1):
-        if haystack[i] == first and list(haystack[i:i + n]) == list(needle):
-            return i
-    return -1
 
 
 def resolve_tokenizer(ctx: ExportContext, opts: ExportOptions) -> str:
@@ -239,12 +227,14 @@ class TokensFormat(Format):
                 "ids; a trainer that tokenises the text would not train on what the model "
                 "wrote"]
 
-    def _retokenized(self, msgs: list[dict[str, str]], rec: Mapping[str, Any]) -> list[int]:
-        """The generated turns' ids as the chat template and tokenizer would make them."""
+    def _retokenized(self, msgs: list[dict[str, str]], rec: Mapping[str, Any]
+                     ) -> list[int] | None:
+        """The generated turns' ids as the chat template and tokenizer would make them;
+        None when the template rewrites a turn (nothing to compare)."""
         try:
             enc = self._chat.encode(msgs, generated_turns(rec, msgs))
-        except JobError:  # the template rewrites a turn: no re-tokenised ids to compare
-            return []
+        except JobError:
+            return None
         return _masked(enc.input_ids, enc.loss_mask)
 
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
@@ -255,7 +245,8 @@ class TokensFormat(Format):
         if from_server is not None:
             ids, mask = from_server
             text = str(self._chat.tokenizer.decode(ids, skip_special_tokens=False))
-            differs = self._retokenized(msgs, rec) != _masked(ids, mask)
+            retokenized = self._retokenized(msgs, rec)
+            differs = retokenized is not None and retokenized != _masked(ids, mask)
             self.retokenized_differs += differs
         else:
             enc = self._chat.encode(msgs, generated_turns(rec, msgs))

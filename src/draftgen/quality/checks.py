@@ -174,3 +174,23 @@ def _compresses_like_a_loop(window: str) -> bool:
     head, tail = data[:-SCORE_CHARS], data[-SCORE_CHARS:]
     z = zlib.compressobj(level=1, zdict=head) if head else zlib.compressobj(level=1)
     return len(z.compress(tail) + z.flush()) <= GATE_RATIO * len(tail)
+
+
+# What a trainer that renders conversations itself (SpecForge) adds to a sample under the
+# loss beyond what the target wrote, by what the sample holds (export/specforge.py and the
+# dataset card count and explain them).
+TRAINER_GAPS = ("source_turns", "no_system", "truncated")
+
+
+def trainer_gaps(record: Mapping[str, Any]) -> list[str]:
+    """The TRAINER_GAPS that apply to a stored record: assistant turns from the source
+    prompt, no system prompt, a turn cut at max_tokens."""
+    messages = record.get("messages") or []
+    gaps = []
+    if any(m.get("role") == "assistant" for m in messages):
+        gaps.append("source_turns")
+    if not messages or messages[0].get("role") != "system":
+        gaps.append("no_system")
+    if any(t.get("finish_reason") == "length" for t in record.get("turns") or []):
+        gaps.append("truncated")
+    return gaps

@@ -22,11 +22,18 @@ from typing import Any, BinaryIO
 import orjson
 
 from draftgen import __version__
-from draftgen.quality.checks import ALL_FLAGS, TRUNCATION_FLAGS, check_turns, quality_flags
+from draftgen.quality.checks import (
+    ALL_FLAGS,
+    TRAINER_GAPS,
+    TRUNCATION_FLAGS,
+    check_turns,
+    quality_flags,
+    trainer_gaps,
+)
 from draftgen.reporting.status import describe_configuration
 from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
-from draftgen.store.reading import current_entries, seeds_ignored_note
+from draftgen.store.reading import UNVERIFIED, current_entries, seeds_ignored_note
 from draftgen.store.run_store import REJECTED, read_manifest
 from draftgen.store.shards import read_at
 
@@ -108,13 +115,10 @@ def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts
         msgs = rec.get("messages") or []
         system = msgs[0]["content"] if msgs and msgs[0].get("role") == "system" else None
         cat.system_prompts[system] += 1
-        facts.trainer_gaps["source assistant turns"] += any(
-            m.get("role") == "assistant" for m in msgs)
-        facts.trainer_gaps["no system prompt"] += system is None
-        facts.trainer_gaps["truncated"] += bool(e.trunc)
+        facts.trainer_gaps.update(trainer_gaps(rec))
         facts.server_ids += bool(turns) and all(t.get("token_ids") is not None for t in turns)
         facts.servers[str(rec.get("server") or "unknown")] += 1
-        facts.configurations[str(rec.get("server_config") or "unverified")] += 1
+        facts.configurations[str(rec.get("server_config") or UNVERIFIED)] += 1
     with contextlib.suppress(FileNotFoundError):
         facts.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines()
                              if line)
@@ -310,8 +314,13 @@ def _servers_section(f: CardFacts, m: dict[str, Any]) -> list[str]:
     return out
 
 
+_GAP_WORDS = {"source_turns": "source assistant turns", "no_system": "no system prompt",
+              "truncated": "truncated"}
+
+
 def _training_section(f: CardFacts) -> list[str]:
-    gaps = [f"{n} with {what}" for what, n in f.trainer_gaps.items() if n]
+    gaps = [f"{f.trainer_gaps[k]} with {_GAP_WORDS[k]}" for k in TRAINER_GAPS
+            if f.trainer_gaps[k]]
     return [
         "## Training with SpecForge", "",
         "Exact path: `draftgen export OUT --format tokens` given to SpecForge as "

@@ -11,7 +11,13 @@ from typing import Any
 import orjson
 
 from draftgen.quality.checks import quality_flags
-from draftgen.store.reading import current_entries, is_running, lock_pid, seeds_ignored_note
+from draftgen.store.reading import (
+    UNVERIFIED,
+    current_entries,
+    is_running,
+    lock_pid,
+    seeds_ignored_note,
+)
 from draftgen.store.run_store import REJECTED, read_manifest
 
 
@@ -117,7 +123,7 @@ def read_status(out_dir: Path) -> RunStatus:
             cat.done += 1
             cat.truncated += e.trunc
             cat.output_tokens += e.otok
-            configurations[e.cfg or "unverified"] += 1
+            configurations[e.cfg or UNVERIFIED] += 1
             if e.flags:
                 flags.update(e.flags)
                 cat.flagged += bool(quality_flags(e.flags))

@@ -1,9 +1,11 @@
 """One request's life: send it, stream it, retry what is transient, go back to the queue
 when its server is cut off, and hand the outcome to the writer.
 
-A request cut off by a server outage or hang goes back to the front of its partition's
-queue without being charged a retry, up to `client.max_outage_requeues` outages per sample;
-after that an outage counts like any transient error. Multi-turn samples send each
+A request cut off by a server outage goes back to the front of its partition's queue
+without being charged a retry, up to `client.max_outage_requeues` outages per sample; after
+that an outage counts like any transient error. One called back (a hang, or sent beyond a
+server's running limit) goes back uncharged and uncounted. A run-level error (`RunError`)
+stops the run and charges nothing. Multi-turn samples send each
 follow-up turn after the previous answer; a truncated answer ends the chain.
 """
 

@@ -3,8 +3,9 @@
 The runner sets up what a run needs (the plan against the store, the servers, the client,
 the manifest), then holds one TaskGroup with the dispatcher (`dispatch.py`: what to send
 where) and the request tasks (`request.py`: one request's life); outcomes go to the single
-writer. A stop (signal, disk error, give-up) ends dispatch; in-flight requests get a grace
-period, then are cancelled and stay pending.
+writer. A stop ends dispatch: after a signal, in-flight requests get a grace period; after
+a disk error, a give-up, a run-level error or a refused server they are cancelled at once.
+Either way they stay pending.
 """
 
 from __future__ import annotations
@@ -34,9 +35,7 @@ from draftgen.running.progress import ProgressView
 from draftgen.running.request import Requester
 from draftgen.running.state import RunState
 from draftgen.running.stats import RunStats, Snapshot
-from draftgen.sample import (
-    Sample,
-)
+from draftgen.sample import Sample
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import Scheduler
 from draftgen.schedule.pool import ServerPool
@@ -44,6 +43,7 @@ from draftgen.schedule.static import StaticScheduler
 from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
 from draftgen.store import RunStore
+from draftgen.store.reading import UNVERIFIED
 from draftgen.store.writer import OutcomeWriter
 
 
@@ -91,6 +91,7 @@ class Runner:
         self.stats = RunStats(clock)
         self._state = RunState()
         self._urls: list[str] = []
+        self._rejected: set[str] = set()  # --redo-config
         self.pool: ServerPool | None = None
         self.metrics: MetricsExporter | None = None
         self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
@@ -102,7 +103,13 @@ class Runner:
             plan, escalating = escalate(plan, self.job, store.entries,
                                         rerun=self.opts.rerun_truncated)
             rejected = set(self.opts.redo_configs)
-            regenerate = {e.id for e in store.entries.values() if e.cfg in rejected}
+            known = set((store.read_manifest() or {}).get("configurations") or {})
+            if unknown := sorted(rejected - known - {UNVERIFIED}):
+                raise JobError(f"--redo-config: no configuration {', '.join(unknown)} in "
+                               f"{self.opts.out_dir} (`draftgen status` lists them)")
+            regenerate = {e.id for e in store.entries.values()
+                          if (e.cfg or UNVERIFIED) in rejected}
+            self._rejected = rejected
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
                                  redo_changed=self.opts.redo_changed, redo=escalating,
                                  regenerate=regenerate)
@@ -136,7 +143,8 @@ class Runner:
                             plan, todo = set_aside_too_long(plan, todo, context)
                     store.write_plan(plan.samples, plan.rejected)
                     self._count_plan(plan, store, {s.id for s in todo})
-                    manifest = self._manifest_start(store, plan)
+                    manifest = self._manifest = self._manifest_start(store, plan)
+                    self._store = store
                     if todo:
                         await self._run(todo, client, events)
             finally:
@@ -282,9 +290,18 @@ class Runner:
             self._stop(f"quality policy: {url} came back with a lossy KV cache", exit_code=2)
             self._state.cancel_in_flight()
             raise
+        if (config := self._servers.configuration_of(url)) in self._rejected:
+            # Its samples would be regenerated again: it stays down until restarted.
+            events.add(f"{url} came back with configuration {config}, which this run "
+                       "regenerates (--redo-config); not sending to it")
+            raise JobError(f"{url} runs a rejected configuration ({config})")
         if record is not None and record.get("changed_mid_run"):
             events.add(f"{url} came back with other settings: KV dtype "
                        f"{record.get('kv_dtype')}, {record.get('kv_tokens')} KV tokens")
+            # Records name the new configuration from now on: a crash must not lose it.
+            self._manifest.setdefault("configurations", {}).update(
+                self._servers.configurations)
+            self._store.write_manifest(self._manifest)
 
     async def _watch_writer(self, writer: OutcomeWriter) -> None:
         await writer.failed.wait()

@@ -1,5 +1,5 @@
-"""What dispatch and the request tasks share while a run sends: the partition queues, the
-tasks in flight, and the stop and wake-up signals."""
+"""What dispatch and the request tasks share while a run sends: a partition queue's shape
+(the dispatcher holds the queues), the tasks in flight, and the stop and wake-up signals."""
 
 from __future__ import annotations
 

@@ -126,6 +126,9 @@ class AttachedServers:
         except ServerInfoError as e:
             record: dict[str, Any] = {"url": url, "verified": False, "reason": str(e)}
             identity: Any = None
+            # Whatever answers now is unknown: no configuration, no engine-specific fields.
+            self._config_of.pop(url, None)
+            self._engines.pop(url, None)
         else:
             identity = info.identity()
             self._engines[url] = info.engine

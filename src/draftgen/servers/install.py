@@ -11,7 +11,6 @@ its options are read as text: quoted option strings, and 0.5.23's annotated opti
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from dataclasses import dataclass
 from functools import cache
@@ -33,7 +32,6 @@ for dist_name in sys.argv[3:]:
         parser = argparse.ArgumentParser()
         importlib.import_module(module).ServerArgs.add_cli_args(parser)
         found["flags"] = sorted({o for a in parser._actions for o in a.option_strings})
-        found["source"] = "parser"
         break
     except Exception:
         pass
@@ -52,7 +50,7 @@ for dist_name in sys.argv[3:]:
         # 0.5.23 declares options as annotated fields (`attn_dp_size: A[int, Arg(...)]`).
         flags.update("--" + n.replace("_", "-") for n in
                      re.findall(r"(?m)^\s+([a-z][a-z0-9_]*)\s*:\s*(?:A|Annotated)\[", text))
-    found["flags"], found["source"] = (sorted(flags) if flags else None), "text"
+    found["flags"] = sorted(flags) if flags else None
     break
 print(json.dumps(found))
 """
@@ -89,15 +87,6 @@ class EngineInstall:
             return f"{self.engine} not found for {self.interpreter}" + (
                 f" ({self.note})" if self.note else "")
         return f"{self.engine} {self.version} ({self.interpreter})"
-
-
-def version_tuple(version: str | None) -> tuple[int, ...] | None:
-    """`0.5.23.post1` → (0, 5, 23); None when it does not start with a number."""
-    if not version:
-        return None
-    parts = re.findall(r"\d+", version.split("+", 1)[0].split("rc", 1)[0])
-    numbers = tuple(int(p) for p in parts[:3])
-    return numbers or None
 
 
 @cache

@@ -78,8 +78,8 @@ def _dry_run(profile: ServerProfile, out: TextIO) -> int:
     engine = engine_for(profile.engine)
     install = detect_install(profile.engine, profile.interpreter)
     print(shlex.join(engine.argv(profile, install=install)), file=out)
-    print(f"# engine: {install.describe()}" + ("" if install.version else
-          "; flags for the newest known release"), file=out)
+    unread = "" if install.flags is not None else "; flags for the newest known release"
+    print(f"# engine: {install.describe()}{unread}", file=out)
     for key, value in sorted(profile.env.items()):
         print(f"# env {key}={value}", file=out)
     if profile.port == 0:

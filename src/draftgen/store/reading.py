@@ -43,10 +43,15 @@ def iter_plan(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, LedgerEntry]]:
-    """The plan, and the ledger entries that still match it (same id and request)."""
+    """The plan, and the ledger's latest entry per id (callers compare the fingerprint with
+    the plan's to tell a current record from a stale one)."""
     plan = iter_plan(out_dir)
     entries = load_ledger(out_dir / LEDGER, repair=False).entries
     return plan, entries
+
+
+# How status, the card and --redo-config name records whose server was not verified.
+UNVERIFIED = "unverified"
 
 
 def seeds_ignored_note(manifest: dict[str, Any]) -> str | None:
