@@ -258,3 +258,41 @@ def test_a_source_id_that_would_name_two_rows_keeps_draftgens() -> None:
             {"id": "a-3", "source_id": "e"}]
     assert _export_ids(plan, "source") == {"a-3": "e"}
     assert _export_ids(plan, "draftgen") == {}
+
+
+async def test_a_server_behind_an_api_key_is_verified_and_polled_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiohttp import web
+    from sglang_standin import make_app
+
+    key = "sk-standin-key-0123456789"
+    refused: list[str] = []
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        # SGLang with --api-key guards every route, /server_info and /metrics included.
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            refused.append(request.path)
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return await handler(request)
+
+    app = make_app(StandinConfig(version="0.5.23", enable_metrics=True))
+    app.middlewares.append(guard)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    monkeypatch.setenv("STANDIN_KEY", key)
+    job = make_job(tmp_path, rows(3))
+    job.write_text(job.read_text() + "api_key_env: STANDIN_KEY\n")
+    try:
+        summary = await run_job(load_job(job), RunOptions(tmp_path / "out", servers=[url],
+                                                          progress=False))
+    finally:
+        await runner.cleanup()
+    assert summary.done == 3 and refused == []
+    manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    [server] = manifest["runs"][-1]["servers"]
+    assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
+    assert key.encode() not in (tmp_path / "out" / "manifest.json").read_bytes()

@@ -27,6 +27,7 @@ from draftgen.schedule.base import Scheduler
 from draftgen.schedule.load import LoadPoller
 from draftgen.schedule.pool import ServerPool
 from draftgen.schedule.readings import ServerLoad
+from draftgen.servers.info import bearer
 from draftgen.store.atomic import write_atomic
 
 EVENTS = "events.jsonl"
@@ -57,8 +58,10 @@ class RunMonitor:
                  give_up_s: float | None, waiting: Callable[[], int],
                  wake: Callable[[], None], give_up: Callable[[str], None],
                  log: Callable[[str], None], metrics: MetricsExporter | None = None,
-                 recall: Callable[[list[str]], None] = lambda _ids: None) -> None:
+                 recall: Callable[[list[str]], None] = lambda _ids: None,
+                 api_key: str | None = None) -> None:
         self._out = out_dir
+        self._api_key = api_key
         self._recall = recall
         self._pool = pool
         self._scheduler = scheduler
@@ -77,7 +80,7 @@ class RunMonitor:
         self._last_series = float("-inf")
 
     async def __aenter__(self) -> RunMonitor:
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(headers=bearer(self._api_key))
         self._pollers = {
             s.url: LoadPoller(self._session, s.url, clock=self._clock, log=self._log)
             for s in self._pool.servers

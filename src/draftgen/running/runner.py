@@ -114,8 +114,9 @@ class Runner:
                                  redo_changed=self.opts.redo_changed, redo=escalating,
                                  regenerate=regenerate)
             started = time.time()
+            api_key = read_api_key(self.job) if todo else None
             self._servers = AttachedServers(self.job, list(self.opts.servers),
-                                            self.opts.out_dir / "servers")
+                                            self.opts.out_dir / "servers", api_key=api_key)
             events = EventLog(self.opts.out_dir)
             self.scheduler._log = events.add
             try:
@@ -134,7 +135,7 @@ class Runner:
                                     f"{self._servers.configuration_of(url)}; restart it with "
                                     "the settings you want first")
                     client = await stack.enter_async_context(ChatClient(
-                        api_key=read_api_key(self.job) if todo else None,
+                        api_key=api_key,
                         idle_timeout_s=self.job.client.idle_timeout_s,
                         connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
                     if todo:
@@ -236,6 +237,7 @@ class Runner:
             give_up_s=self.job.client.server_down_give_up_s, waiting=dispatcher.waiting,
             wake=state.wake.set, give_up=self._give_up, log=events.add,
             metrics=self._start_metrics(events), recall=state.recall,
+            api_key=self._servers.api_key,
         )
         loop = asyncio.get_running_loop()
         signals = _install_signals(loop, self._on_signal)

@@ -44,6 +44,7 @@ class AttachedServers:
     override_urls: list[str]
     state_dir: Path
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
+    api_key: str | None = field(default=None, repr=False)
     urls: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     _profiles: dict[str, ServerProfile] = field(default_factory=dict)
@@ -122,7 +123,7 @@ class AttachedServers:
         Returns the record when it is new (first check, or the server changed)."""
         profile = self._profiles.get(url)
         try:
-            info = await fetch_server_info(url, profile=profile)
+            info = await fetch_server_info(url, profile=profile, api_key=self.api_key)
         except ServerInfoError as e:
             record: dict[str, Any] = {"url": url, "verified": False, "reason": str(e)}
             identity: Any = None

@@ -24,6 +24,7 @@ __all__ = [
     "ENGINES",
     "ServerInfo",
     "ServerInfoError",
+    "bearer",
     "check_health",
     "engine_for",
     "fetch_server_info",
@@ -38,12 +39,18 @@ def engine_for(name: str) -> Engine:
         raise ServerInfoError(f"unknown engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
+def bearer(api_key: str | None) -> dict[str, str] | None:
+    """The Authorization header for a server behind an API key (a server launched with
+    --api-key guards /server_info and /metrics too)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+
 @asynccontextmanager
 async def _session(
-    session_or_url: aiohttp.ClientSession | str, url: str | None
+    session_or_url: aiohttp.ClientSession | str, url: str | None, api_key: str | None = None
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
     if isinstance(session_or_url, str):
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(headers=bearer(api_key)) as session:
             yield session, session_or_url.rstrip("/")
     else:
         if url is None:
@@ -57,6 +64,7 @@ async def fetch_server_info(
     *,
     profile: ServerProfile | None = None,
     engine: str | None = None,
+    api_key: str | None = None,
 ) -> ServerInfo:
     """What the server at the URL runs with.
 
@@ -65,7 +73,7 @@ async def fetch_server_info(
     dtype; `engine` skips detection. Raises `ServerInfoError` when the server cannot be
     reached or answers like neither engine.
     """
-    async with _session(session_or_url, url) as (session, base):
+    async with _session(session_or_url, url, api_key) as (session, base):
         name = engine or (profile.engine if profile is not None else None)
         candidates = [engine_for(name)] if name else list(ENGINES.values())
         for candidate in candidates:
