@@ -149,6 +149,9 @@ class JobSpec(_Strict):
     partitions: dict[str, Partition] = Field(min_length=1)
     categories: list[Category] = Field(min_length=1)
     samples_per_prompt: int = Field(default=1, ge=1)
+    # A prompt that fits the servers' context but leaves less than max_tokens for the
+    # answer: shorten (send it with the max_tokens that fit) or set_aside (a rejected row).
+    over_context: Literal["shorten", "set_aside"] = "shorten"
     multi_turn: Literal["last", "all"] = "last"
     seed: int = 0
     # adaptive: admit by expected KV footprint against each server's capacity, corrected

@@ -290,6 +290,18 @@ class SGLangOracle:
                 return {**result, "ok": False, "error": str(e), "stage": "convert"}
         return result
 
+    def op_validate_tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A POST /tokenize body against the release's TokenizeRequest: {"ok", "error",
+        "dropped" (keys it has no field for)}."""
+        model = self.protocol.TokenizeRequest
+        try:
+            request = model.model_validate(body)
+        except Exception as e:  # pydantic's ValidationError: FastAPI answers 422
+            return {"ok": False, "error": _error(e), "dropped": _unknown_keys(model, body)}
+        extra = sorted((getattr(request, "model_extra", None) or {}).keys())
+        return {"ok": True, "error": None,
+                "dropped": sorted(set(_unknown_keys(model, body)) | set(extra))}
+
     def op_validate_chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
         """One streamed chunk against the release's ChatCompletionStreamResponse: {"ok",
         "error", "dropped_paths" (keys, nested ones too, the model has no field for), and
@@ -558,6 +570,18 @@ class VLLMOracle:
         except (Exception, SystemExit) as e:
             return {"error": _error(e), "argv": argv}
         return {"error": None, "argv": argv, "args": _jsonable(vars(ns))}
+
+    def op_validate_tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A POST /tokenize body as the route parses it (completion | chat request)."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.serve.tokenize.protocol import TokenizeRequest
+
+        try:
+            request = TypeAdapter(TokenizeRequest).validate_python(body)
+        except Exception as e:
+            return {"ok": False, "error": _error(e), "dropped": []}
+        extra = sorted((request.model_extra or {}).keys())
+        return {"ok": True, "error": None, "dropped": extra, "kind": type(request).__name__}
 
     def op_validate_chat(self, body: dict[str, Any]) -> dict[str, Any]:
         model = self.ChatCompletionRequest

@@ -22,6 +22,7 @@ from aiohttp import web
 from conftest import Oracle
 
 from draftgen.client import ChatClient
+from draftgen.client.context import prompt_tokens
 from draftgen.job import Sampling
 from draftgen.sample import Sample, base_body, request_body
 from draftgen.servers.info import engine_for
@@ -151,3 +152,52 @@ async def test_vllm_accepts_the_body(vllm_oracle: Oracle, vllm_body: dict[str, A
     assert checked["dropped_paths"] == [], "fields vLLM does not know"
     assert vllm_body["return_token_ids"] is True
     assert not set(engine_for("sglang").token_id_fields) & set(vllm_body)
+
+
+async def tokenize_bodies(refuse_messages: bool) -> tuple[int | None, list[dict[str, Any]]]:
+    """What `client.context.prompt_tokens` POSTs to /tokenize, and the count it makes of
+    the answers: a server that refuses a `messages` body (422, as SGLang 0.5.9's model
+    does) is asked again with text."""
+    seen: list[dict[str, Any]] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        seen.append(body)
+        if refuse_messages and "messages" in body:
+            return web.Response(status=422, body=b'{"detail": "prompt: field required"}')
+        return web.json_response({"tokens": [1] * 20, "count": 20, "max_model_len": 4096})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        async with ChatClient() as client:
+            n = await prompt_tokens(client, f"http://{host}:{port}", MODEL, SAMPLE.messages)
+    finally:
+        await runner.cleanup()
+    return n, seen
+
+
+async def test_prompt_counts_are_asked_the_way_each_engine_reads_them(
+    sglang_oracle: Oracle, vllm_oracle: Oracle,
+) -> None:
+    """vLLM and SGLang 0.5.23 take the chat messages (the count the server will see, its
+    template included); SGLang 0.5.9 refuses them, and the text body that follows is one
+    it takes. No field is silently ignored."""
+    n, [chat] = await tokenize_bodies(refuse_messages=False)
+    assert n == 20 and chat["messages"] == list(SAMPLE.messages)
+    checked = vllm_oracle.ask("validate_tokenize", body=chat)
+    assert checked["ok"] and checked["kind"] == "TokenizeChatRequest", checked
+    assert checked["dropped"] == []
+    checked = sglang_oracle.ask("validate_tokenize", body=chat)
+    if sglang_oracle.version == "0.5.9":
+        assert not checked["ok"], "0.5.9 takes messages now: the text fallback is not needed"
+        n, [_, text] = await tokenize_bodies(refuse_messages=True)
+        assert n is not None and n > 20  # the template's allowance per message is added
+        checked = sglang_oracle.ask("validate_tokenize", body=text)
+    assert checked["ok"], f"SGLang {sglang_oracle.version}: {checked['error']}"
+    assert checked["dropped"] == []

@@ -128,6 +128,8 @@ class FakeServer:
     responder: Callable[[dict[str, Any]], Reply] | None = None
     # Served as SGLang's GET /v1/loads when set.
     loads: Callable[[], Any] | None = None
+    # POST /tokenize: the count for a request body (vLLM's shape), when set.
+    tokenize: Callable[[dict[str, Any]], int] | None = None
     seen: list[SeenRequest] = field(default_factory=list)
     active: int = 0
     max_active: int = 0
@@ -148,6 +150,8 @@ class FakeServer:
         app.router.add_get("/v1/models", self._models)
         if self.loads is not None:
             app.router.add_get("/v1/loads", self._loads)
+        if self.tokenize is not None:
+            app.router.add_post("/tokenize", self._tokenize)
         self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -169,6 +173,13 @@ class FakeServer:
     async def _loads(self, request: web.Request) -> web.Response:
         assert self.loads is not None
         return web.Response(body=orjson.dumps(self.loads()), content_type="application/json")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        assert self.tokenize is not None
+        count = self.tokenize(orjson.loads(await request.read()))
+        return web.Response(body=orjson.dumps({"count": count, "tokens": [0] * count,
+                                               "max_model_len": self.context_tokens}),
+                            content_type="application/json")
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         peer = request.transport.get_extra_info("peername") if request.transport else None

@@ -155,23 +155,29 @@ class ChatClient:
             except (aiohttp.ClientError, TimeoutError) as err:
                 raise self._mid_stream_error(err) from err
 
-    async def context_tokens(self, server_url: str, *, timeout_s: float = 10.0) -> int | None:
-        """The server's context length: vLLM and SGLang list `max_model_len` in /v1/models,
-        older SGLang has `context_length` in /server_info. None when neither answers."""
+    async def fetch_json(self, server_url: str, path: str, body: Any = None, *,
+                         timeout_s: float) -> tuple[int, Any]:
+        """GET `path` (POST `body` when given) on the server: (status, parsed JSON or None).
+        A server that does not answer within `timeout_s` raises `ServerDown` (refused) or
+        `Transient`, like a chat request would."""
         session = self._session
         if session is None:
             raise RuntimeError("use ChatClient inside `async with`")
-        base = _chat_url(server_url).removesuffix(CHAT_PATH)
-        for path, pick in (("/v1/models", _models_context), ("/server_info", _info_context)):
-            try:
-                async with asyncio.timeout(timeout_s), session.get(base + path) as r:
-                    if r.status == 200:
-                        found = pick(orjson.loads(await r.read()))
-                        if found:
-                            return found
-            except (aiohttp.ClientError, TimeoutError, *_MALFORMED):
-                continue
-        return None
+        url = _chat_url(server_url).removesuffix(CHAT_PATH) + path
+        try:
+            async with asyncio.timeout(timeout_s):
+                request = (session.get(url) if body is None else
+                           session.post(url, data=orjson.dumps(body)))
+                async with request as r:
+                    raw = await r.read()
+        except (aiohttp.ClientError, TimeoutError) as err:
+            if isinstance(err, TimeoutError):
+                raise Transient(f"no answer from {url} within {timeout_s:g}s") from err
+            raise self._before_response_error(err, url) from err
+        try:
+            return r.status, orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return r.status, None
 
     async def _read_stream(
         self,
@@ -314,16 +320,6 @@ class ChatClient:
             return Transient(f"stream stalled: no data for {self._idle_timeout_s:g}s")
         detail = redact(str(err) or type(err).__name__, self._api_key)
         return Transient(f"stream broken: {type(err).__name__}: {detail}")
-
-
-def _models_context(obj: Any) -> int | None:
-    value = obj["data"][0].get("max_model_len")
-    return int(value) if isinstance(value, int) else None
-
-
-def _info_context(obj: Any) -> int | None:
-    value = obj.get("context_length") or obj.get("max_req_input_len")
-    return int(value) if isinstance(value, int) else None
 
 
 def _chat_url(server_url: str) -> str:

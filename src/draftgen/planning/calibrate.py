@@ -23,6 +23,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.client import ChatClient
+from draftgen.client.context import context_length
 from draftgen.errors import RequestError
 from draftgen.planning.measured import Measured
 from draftgen.planning.workload import DecodeSpeed
@@ -222,7 +223,10 @@ async def _wait_idle(http: aiohttp.ClientSession, base: str, timeout_s: float = 
 async def _measure_prefill(client: ChatClient, base: str, model: str,
                            kv_tokens: int | None) -> float | None:
     """Prompt tokens per second, from time to first token of a long and a short prompt."""
-    context = await client.context_tokens(base) or 2048
+    try:
+        context = await context_length(client, base) or 2048
+    except RequestError:
+        return None
     limit = min(context, kv_tokens or context) // 2
 
     sent = 0

@@ -1,42 +1,89 @@
 """Run-time adjustments to a plan: what this run sends, beyond what the sources say.
 
 - `escalate`: truncated samples of `truncation: escalate` partitions move to a larger one;
-- `set_aside_too_long`: prompts that cannot fit the servers' context become rejected rows;
+- `fit_context`: prompts that cannot fit the servers' context become rejected rows, and
+  those that leave too little room for max_tokens are shortened or set aside;
 - `prefix_order`: samples that open alike are sent side by side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import replace
 
 from draftgen.job import JobSpec
 from draftgen.planning.plan import Plan
+from draftgen.planning.tokens import CHARS_PER_TOKEN
 from draftgen.sample import Rejected, Sample, base_body, body_digest, content_digest, fingerprint
 from draftgen.store import LedgerEntry
 
+# The least answer a shortened sample is sent with; below it the sample is set aside.
+MIN_ANSWER_TOKENS = 256
 
-def set_aside_too_long(plan: Plan, todo: list[Sample],
-                        context: int) -> tuple[Plan, list[Sample]]:
-    """Prompts that cannot fit the servers' context become rejected rows, not requests.
 
-    An estimated count only rejects when it is twice the context, so a rough estimate never
-    throws away a prompt the server would have taken; the server's own 400 covers the rest.
+def fit_context(plan: Plan, todo: list[Sample], context: int, *,
+                counts: Mapping[str, int], keep: Set[str],
+                policy: str = "shorten") -> tuple[Plan, list[Sample], int]:
+    """Samples whose prompt cannot fit the servers' context become rejected rows, not
+    requests; those that fit but leave less than `max_tokens` are shortened to what fits
+    (`policy` "shorten", when at least MIN_ANSWER_TOKENS are left) or set aside too.
+
+    A prompt's length is the server's own count where `counts` has one, else the plan's:
+    exact with the job's tokenizer; an estimate only rejects at twice the context, so a
+    rough guess never throws away a prompt the server would have taken. Samples in `keep`
+    (already done) are never set aside: a done sample shows what it was sent with. Also
+    returns how many samples still to send were shortened.
     """
-    limit = context if plan.token_count_label.startswith("tokenizer") else 2 * context
-    too_long = {s.id for s in plan.samples if s.prompt_tokens > limit}
-    if not too_long:
-        return plan, todo
+    exact = plan.token_count_label.startswith("tokenizer")
     rejected = list(plan.rejected)
+    # id -> the sample as it is now sent, or None when set aside.
+    changed: dict[str, Sample | None] = {}
+    shortened = 0
     for s in plan.samples:
-        if s.id in too_long:
-            src, _, row = s.source.rpartition(":")
-            rejected.append(Rejected(s.category, src, int(row) if row.isdigit() else -1,
-                                     f"prompt_too_long: {s.prompt_tokens} prompt tokens > the "
-                                     f"server's context of {context}"))
-    kept = [s for s in plan.samples if s.id not in too_long]
-    return replace(plan, samples=kept, rejected=rejected), [
-        s for s in todo if s.id not in too_long]
+        n = counts.get(s.id)
+        if n is None and not exact:
+            if s.prompt_tokens > 2 * context and s.id not in keep:
+                changed[s.id] = None
+                rejected.append(_too_long(s, f"{s.prompt_tokens} prompt tokens (estimated) "
+                                             f"> twice the server's context of {context}"))
+            continue
+        n = s.prompt_tokens if n is None else n
+        room = context - n
+        if room >= s.max_tokens:
+            if n != s.prompt_tokens:
+                changed[s.id] = replace(s, prompt_tokens=n)
+        elif policy == "shorten" and room >= min(MIN_ANSWER_TOKENS, s.max_tokens):
+            changed[s.id] = replace(s, prompt_tokens=n, max_tokens=room)
+            shortened += s.id not in keep
+        elif s.id in keep:
+            changed[s.id] = replace(s, prompt_tokens=n)
+        else:
+            changed[s.id] = None
+            rejected.append(_too_long(s, (
+                f"{n} prompt tokens > the server's context of {context}" if room <= 0 else
+                f"{n} prompt tokens + max_tokens {s.max_tokens} > the server's context of "
+                f"{context}")))
+    if not changed:
+        return plan, todo, 0
+
+    def apply(samples: list[Sample]) -> list[Sample]:
+        out = (changed.get(s.id, s) for s in samples)
+        return [s for s in out if s is not None]
+
+    return replace(plan, samples=apply(plan.samples), rejected=rejected), apply(todo), shortened
+
+
+def _too_long(s: Sample, why: str) -> Rejected:
+    src, _, row = s.source.rpartition(":")
+    return Rejected(s.category, src, int(row) if row.isdigit() else -1, f"prompt_too_long: {why}")
+
+
+def near_context(samples: list[Sample], context: int, *, exact: bool) -> list[Sample]:
+    """Samples whose prompt might leave less than max_tokens of the context: every one a
+    counted length says so of, and, for an estimate, every one whose characters alone would
+    (a token is rarely shorter than a character)."""
+    factor = 1 if exact else CHARS_PER_TOKEN
+    return [s for s in samples if s.prompt_tokens * factor + s.max_tokens > context]
 
 
 def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,

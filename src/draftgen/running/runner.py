@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +27,13 @@ from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError
 from draftgen.job import JobSpec, read_api_key
 from draftgen.planning.plan import Plan, build_plan
-from draftgen.planning.replan import escalate, prefix_order, set_aside_too_long
+from draftgen.planning.replan import escalate, prefix_order
 from draftgen.running.dispatch import Dispatcher
 from draftgen.running.metrics import MetricsExporter
 from draftgen.running.monitor import EventLog, RunMonitor
 from draftgen.running.progress import ProgressView
 from draftgen.running.request import Requester
+from draftgen.running.startup import StartUp
 from draftgen.running.state import RunState
 from draftgen.running.stats import RunStats, Snapshot
 from draftgen.sample import Sample
@@ -92,6 +93,7 @@ class Runner:
         self._state = RunState()
         self._urls: list[str] = []
         self._rejected: set[str] = set()  # --redo-config
+        self._context: dict[str, Any] = {}  # the context the plan was fitted to
         self.pool: ServerPool | None = None
         self.metrics: MetricsExporter | None = None
         self.scheduler: Scheduler = (AdaptiveScheduler() if job.scheduler == "adaptive"
@@ -121,12 +123,23 @@ class Runner:
             self.scheduler._log = events.add
             try:
                 async with AsyncExitStack() as stack:
-                    if todo:
+                    client = await stack.enter_async_context(ChatClient(
+                        api_key=api_key,
+                        idle_timeout_s=self.job.client.idle_timeout_s,
+                        connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
+                    start = StartUp(self.job, client, self.clock, say=self._say(events))
+                    saved = (store.read_manifest() or {}).get("context") or {}
+                    done = {i for i, e in store.entries.items() if e.status == "done"}
+                    # As an earlier run decided: what it set aside is not work to wait for.
+                    fitted = await start.fit(plan, todo, saved=saved, done=done, quiet=True)
+                    if fitted[1]:
                         await stack.enter_async_context(self._servers)
                         self._urls = self._servers.urls
                         if not self._urls:
                             raise JobError("servers: no server to send to; list servers in "
                                            "the job or pass --server URL")
+                        if gave_up := await start.await_servers(self._urls):
+                            self._stop(gave_up, exit_code=3)
                         for url in self._urls:
                             await self._servers.verify(url)
                             if self._servers.configuration_of(url) in rejected:
@@ -134,19 +147,13 @@ class Runner:
                                     f"--redo-config: {url} still runs configuration "
                                     f"{self._servers.configuration_of(url)}; restart it with "
                                     "the settings you want first")
-                    client = await stack.enter_async_context(ChatClient(
-                        api_key=api_key,
-                        idle_timeout_s=self.job.client.idle_timeout_s,
-                        connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
-                    if todo:
-                        context = await self._context_tokens(client)
-                        if context is not None:
-                            plan, todo = set_aside_too_long(plan, todo, context)
+                        fitted = await start.fit(plan, todo, saved=saved, done=done)
+                    plan, todo, self._context = fitted
                     store.write_plan(plan.samples, plan.rejected)
                     self._count_plan(plan, store, {s.id for s in todo})
                     manifest = self._manifest = self._manifest_start(store, plan)
                     self._store = store
-                    if todo:
+                    if todo and not self._state.stop.is_set():
                         await self._run(todo, client, events)
             finally:
                 events.close()
@@ -168,12 +175,6 @@ class Runner:
             )
             store.write_manifest(manifest)
         return summary
-
-    async def _context_tokens(self, client: ChatClient) -> int | None:
-        """The smallest context length the servers report (None if none says)."""
-        found = [await client.context_tokens(u) for u in self._urls]
-        known = [n for n in found if n]
-        return min(known) if known else None
 
     def _count_plan(self, plan: Plan, store: RunStore, todo: set[str]) -> None:
         done: Counter[str] = Counter()
@@ -211,6 +212,8 @@ class Runner:
             "token_count": plan.token_count_label,
         }
         manifest.setdefault("configurations", {}).update(self._servers.configurations)
+        if self._context:
+            manifest["context"] = self._context
         manifest["runs"].append({
             "started_at": time.time(),
             "servers": self._servers.records,
@@ -269,6 +272,14 @@ class Runner:
             _restore_signals(loop, signals)
             if self.metrics is not None:
                 self.metrics.stop()
+
+    @staticmethod
+    def _say(events: EventLog) -> Callable[[str], None]:
+        """Start-up news: for the person watching and for the event log."""
+        def say(message: str) -> None:
+            events.add(message)
+            print(message, file=sys.stderr, flush=True)
+        return say
 
     def _start_metrics(self, events: EventLog) -> MetricsExporter | None:
         if self.opts.metrics_port is None:

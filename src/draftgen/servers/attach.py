@@ -122,10 +122,13 @@ class AttachedServers:
         """Record what `url` runs with; raises QualityPolicyError for a refused server.
         Returns the record when it is new (first check, or the server changed)."""
         profile = self._profiles.get(url)
+        limit = self.job.client.probe_timeout_s
         try:
-            info = await fetch_server_info(url, profile=profile, api_key=self.api_key)
-        except ServerInfoError as e:
-            record: dict[str, Any] = {"url": url, "verified": False, "reason": str(e)}
+            async with asyncio.timeout(limit):
+                info = await fetch_server_info(url, profile=profile, api_key=self.api_key)
+        except (ServerInfoError, TimeoutError) as e:
+            reason = str(e) or f"{url} did not describe itself within {limit:g}s"
+            record: dict[str, Any] = {"url": url, "verified": False, "reason": reason}
             identity: Any = None
             # Whatever answers now is unknown: no configuration, no engine-specific fields.
             self._config_of.pop(url, None)
