@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+from aiohttp import web
 from fakeserver import STALL, FakeServer, Reply, chunk, completion, error_reply
 from test_runner import echo, last_user, make_job, rows, run
 
 from draftgen.errors import DiskError
+from draftgen.job import load_job
+from draftgen.running import monitor
+from draftgen.running.progress import server_text
+from draftgen.running.runner import RunOptions, run_job
+from draftgen.running.stats import ServerSnapshot
 from draftgen.reporting.status import read_status
 
 SECRET = "sk-test-5f2b9c0d1e"
@@ -163,3 +171,65 @@ def test_a_server_url_without_a_scheme_is_refused_before_anything_runs(tmp_path:
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == (
         "error: --server: 'localhost:8000' is not an http(s) URL (write http://localhost:8000)")
+
+
+async def test_a_server_that_stops_listening_gets_its_silent_streams_back_within_seconds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGTERM to SGLang or vLLM closes the listener, then waits for open streams to end:
+    draftgen closes them and requeues the samples uncharged, long before the hang
+    watchdog would, and the progress shows the load poll failing, not its last reading."""
+    monkeypatch.setattr(monitor, "GONE_SILENT_S", 0.3)
+    streams: list[web.StreamResponse] = []
+    closed: list[bool] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n')
+        streams.append(response)
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.05)
+        closed.append(True)
+        return response
+
+    async def metrics(request: web.Request) -> web.Response:
+        response = web.Response(text=f"vllm:num_requests_running {len(streams)}\n"
+                                     "vllm:num_requests_waiting 0\n")
+        # As uvicorn does once told to stop: no idle connection survives its listener.
+        response.force_close()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = "http://127.0.0.1:{}".format(runner.addresses[0][1])
+    job = make_job(tmp_path, rows(3), client="hang_timeout_s: 120, server_down_give_up_s: 2, ")
+    job.write_text(job.read_text() + "poll_interval_s: 0.1\n")
+    try:
+        task = asyncio.create_task(run_job(load_job(job), RunOptions(
+            tmp_path / "out", servers=[url], progress=False)))
+        while len(streams) < 3:
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        assert site._server is not None
+        site._server.close()  # the listener only: open streams stay, silent
+        summary = await asyncio.wait_for(task, timeout=30)
+    finally:
+        await runner.cleanup()
+    assert time.monotonic() - started < 10  # the watchdog would wait 120 s
+    assert len(closed) == 3  # draftgen hung up: the server is free to exit
+    assert summary.exit_code == 3 and (summary.done, summary.failed, summary.pending) == (0, 0, 3)
+    events = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())["runs"][-1]["events"]
+    assert any("stopped listening" in e for e in events), events
+
+
+def test_progress_shows_a_failing_load_poll_instead_of_its_last_reading() -> None:
+    view = ServerSnapshot("http://a:1", True, 20, running=None, waiting=None,
+                          load_error="Cannot connect to host a:1")
+    text = server_text(view)
+    assert "load poll failing (Cannot connect" in text and "running" not in text

@@ -25,7 +25,7 @@ from draftgen.running.metrics import MetricsExporter
 from draftgen.running.stats import RunStats, ServerSnapshot
 from draftgen.schedule.base import Scheduler
 from draftgen.schedule.load import LoadPoller
-from draftgen.schedule.pool import ServerPool
+from draftgen.schedule.pool import ServerPool, ServerState
 from draftgen.schedule.readings import ServerLoad
 from draftgen.servers.info import bearer
 from draftgen.store.atomic import write_atomic
@@ -34,6 +34,9 @@ EVENTS = "events.jsonl"
 SERIES = "timeseries.jsonl"
 LIVE = "live.json"
 SERIES_EVERY_S = 5.0
+# A server whose port refuses the load poll and whose streams have been silent this long
+# (or three poll intervals, if longer) is going away.
+GONE_SILENT_S = 5.0
 
 
 class EventLog:
@@ -78,6 +81,7 @@ class RunMonitor:
         self._pollers: dict[str, LoadPoller] = {}
         self.loads: dict[str, ServerLoad] = {}
         self._last_series = float("-inf")
+        stats.server_view = lambda: tuple(self._server_view())
 
     async def __aenter__(self) -> RunMonitor:
         self._session = aiohttp.ClientSession(headers=bearer(self._api_key))
@@ -101,16 +105,29 @@ class RunMonitor:
                 self._scheduler.on_load(server, load)
                 if ids := self._scheduler.recall(server):
                     self._recall(ids)
-        self._stats.servers = tuple(self._server_view())
+            elif self._pollers[server.url].refused:
+                self._check_gone(server)
         if self._metrics is not None:
             self._metrics.update(self._stats.snapshot())
         self._wake()
+
+    def _check_gone(self, server: ServerState) -> None:
+        """Nothing listens at the server's port while its streams are silent: it was told
+        to stop (SIGTERM closes the listener first, then waits for open streams to end).
+        Close them and requeue their samples uncharged, so it can exit now, instead of
+        holding them until the hang watchdog."""
+        silent_s = self._clock.monotonic() - server.last_progress
+        if server.in_flight and silent_s >= max(GONE_SILENT_S, 3 * self._interval_s):
+            self._pool.abandon(server, f"stopped listening ({self._pollers[server.url].failure})"
+                                       f" with {server.in_flight} request(s) silent for "
+                                       f"{silent_s:.1f}s")
 
     def _server_view(self) -> list[ServerSnapshot]:
         targets = self._scheduler.targets()
         out = []
         for s in self._pool.servers:
-            load = self.loads.get(s.url)
+            failure = self._pollers[s.url].failure if s.url in self._pollers else None
+            load = None if failure else self.loads.get(s.url)
             out.append(ServerSnapshot(
                 s.url, s.up, s.in_flight,
                 capacity=load.kv_capacity_tokens if load else None,
@@ -118,6 +135,7 @@ class RunMonitor:
                 running=load.running if load else None,
                 waiting=load.waiting if load else None,
                 target=targets.get(s.url),
+                load_error=failure,
             ))
         return out
 

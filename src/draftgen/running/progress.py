@@ -19,6 +19,8 @@ def server_text(s: ServerSnapshot) -> str:
     if not s.up:
         return f"{s.url} DOWN"
     parts = [f"{s.url}", f"{s.in_flight} in flight"]
+    if s.load_error is not None:
+        parts.append(f"load poll failing ({s.load_error})")
     if s.running is not None:
         parts.append(f"running {s.running}, queued {s.waiting or 0}")
     if s.kv_usage is not None:

@@ -128,6 +128,8 @@ class Runner:
                         idle_timeout_s=self.job.client.idle_timeout_s,
                         connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
                     start = StartUp(self.job, client, self.clock, say=self._say(events))
+                    for warning in plan.warnings:
+                        start.say(f"warning: {warning}")
                     saved = (store.read_manifest() or {}).get("context") or {}
                     done = {i for i, e in store.entries.items() if e.status == "done"}
                     # As an earlier run decided: what it set aside is not work to wait for.
@@ -308,9 +310,11 @@ class Runner:
             events.add(f"{url} came back with configuration {config}, which this run "
                        "regenerates (--redo-config); not sending to it")
             raise JobError(f"{url} runs a rejected configuration ({config})")
-        if record is not None and record.get("changed_mid_run"):
-            events.add(f"{url} came back with other settings: KV dtype "
-                       f"{record.get('kv_dtype')}, {record.get('kv_tokens')} KV tokens")
+        if record is not None:
+            settings = (f"KV dtype {record.get('kv_dtype')}, {record.get('kv_tokens')} KV "
+                        "tokens")
+            events.add(f"{url} came back with other settings: {settings}"
+                       if record.get("changed_mid_run") else f"{url} answers: {settings}")
             # Records name the new configuration from now on: a crash must not lose it.
             self._manifest.setdefault("configurations", {}).update(
                 self._servers.configurations)

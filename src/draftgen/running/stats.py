@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draftgen.clock import Clock
@@ -36,6 +37,8 @@ class ServerSnapshot:
     running: int | None = None
     waiting: int | None = None
     target: float | None = None
+    # Why the last load poll got no answer (the load fields are then unknown, not stale).
+    load_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +104,8 @@ class RunStats:
         self.sent = 0
         self.retries = 0
         self.note = ""
-        self.servers: tuple[ServerSnapshot, ...] = ()
+        # The servers as the monitor sees them now (it sets this).
+        self.server_view: Callable[[], tuple[ServerSnapshot, ...]] = tuple
 
     def plan(self, category: str, *, planned: int, max_tokens: int) -> None:
         c = self._cats.setdefault(category, _Counts())
@@ -170,4 +174,4 @@ class RunStats:
             for name, c in self._cats.items()
         )
         return Snapshot(elapsed, cats, sum(c.in_flight for c in cats), self.sent, self.retries,
-                        window, overall, eta, self.note, self.servers)
+                        window, overall, eta, self.note, self.server_view())

@@ -70,6 +70,10 @@ class LoadPoller:
         self._info_capacity: float | None = None
         self._info_tried = False
         self._logged: set[tuple[str, ...]] = set()
+        # Why the last poll got no answer (None after one that did), and whether nothing
+        # was listening: a server that stops listening is on its way out.
+        self.failure: str | None = None
+        self.refused = False
 
     @property
     def source(self) -> str | None:
@@ -85,8 +89,11 @@ class LoadPoller:
             if found is None:  # the endpoint went away: another server answers there now
                 await self._detect()
                 found = await self._read() or ({}, f"{self.source} (gone)")
-        except _NoAnswer:
+        except _NoAnswer as e:
+            self.failure = str(e) or type(e.__cause__).__name__
+            self.refused = isinstance(e.__cause__, aiohttp.ClientConnectorError)
             return None
+        self.failure, self.refused = None, False
         reading, source = found
         missing = tuple(f for f in FIELDS if f not in reading)
         if missing and missing not in self._logged:

@@ -116,10 +116,17 @@ class ServerPool:
             now = self._clock.monotonic()
             for s in self.servers:
                 if s.up and s.in_flight and now - s.last_progress > self._hang_timeout_s:
-                    self.mark_down(s, f"no token for {self._hang_timeout_s:.0f}s with "
-                                      f"{s.in_flight} requests in flight (hung)")
-                    if self._on_hang is not None:
-                        self._on_hang(s)
+                    self.abandon(s, f"no token for {self._hang_timeout_s:.0f}s with "
+                                    f"{s.in_flight} requests in flight (hung)")
+
+    def abandon(self, server: ServerState, reason: str) -> None:
+        """`server` is down with requests that will not finish: mark it down and hand them
+        back (`on_hang`: cancelled, requeued uncharged)."""
+        if not server.up:
+            return
+        self.mark_down(server, reason)
+        if self._on_hang is not None:
+            self._on_hang(server)
 
     async def close(self) -> None:
         for t in list(self._probes):

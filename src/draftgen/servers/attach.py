@@ -149,7 +149,8 @@ class AttachedServers:
                           "verified": True}
         if url in self._identity and self._identity[url] == identity:
             return None
-        changed = url in self._identity
+        # A server unreachable at its first check did not change when it first answers.
+        changed = self._identity.get(url) is not None
         self._identity[url] = identity
         if not record["verified"]:
             self.log(f"warning: {url}: quality policy not verified ({record['reason']})")
