@@ -275,3 +275,30 @@ def test_bad_input_is_set_aside_with_reasons_and_the_run_goes_on(
     assert st["rejected"] == 7
     print(f"RELIABILITY bad input: {len(rejected)} rows set aside ({', '.join(reasons)}); "
           f"{ran.stdout.strip()}")
+
+
+def test_prompts_over_the_context_are_set_aside_or_shortened_by_the_engines_own_count(
+    local_engine: LocalEngine, tmp_path: Path
+) -> None:
+    """No tokenizer in the job: a prompt of digits is one token per character, four times
+    the planner's estimate. The engine's /tokenize decides before anything is sent: the
+    one over the context is set aside, the one that leaves too little room for max_tokens
+    is sent with what fits, and nothing fails."""
+    rows: list[dict[str, object]] = [
+        {"id": 950, "messages": [{"role": "user", "content": "7" * 6000}]},
+        {"id": 951, "messages": [{"role": "user", "content": "7" * 3600}]},
+    ]
+    job = job_file(tmp_path, local_engine.url, n=4, max_tokens=600, conc=4, rows=rows)
+    out = tmp_path / "out"
+    ran = draftgen("run", str(job))
+    assert ran.returncode == 0 and "5/5 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
+    [rejected] = [orjson.loads(x) for x in (out / "rejected.jsonl").read_bytes().splitlines()]
+    assert rejected["reason"].startswith("prompt_too_long: 60")  # ~6,000 counted tokens
+    plan = {p["id"]: p for p in map(orjson.loads, (out / "plan.jsonl").read_bytes().split())}
+    short = plan["q-951"]
+    assert short["prompt_tokens"] > 3600 and short["max_tokens"] < 600
+    assert short["prompt_tokens"] + short["max_tokens"] == local_engine.max_model_len
+    [record] = [r for r in shard_records(out) if r["id"] == "q-951"]
+    assert record["turns"][0]["completion_tokens"] == short["max_tokens"]
+    print(f"RELIABILITY over the context: 1 set aside ({rejected['reason']}), 1 sent with "
+          f"max_tokens {short['max_tokens']} instead of 600; {ran.stdout.strip()}")
