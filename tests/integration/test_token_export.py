@@ -196,9 +196,12 @@ def test_template_kwargs_reach_the_template_and_rewritten_turns_are_still_found(
     (row,) = export_rows(out, ExportOptions("tokens", tokenizer=str(tok_dir)))
     assert row["text"].startswith("<|im_start|>system\nthink mode")
     assert row["metadata"]["chat_template_kwargs"] == {"thinking": True}
-    # The first turn's reasoning is not in the training text (the template drops it), so
-    # its mask covers what remains; the last turn keeps its inline reasoning.
-    assert decoded_runs(tiny_model_dir, row) == ["one" + END, "<think>r2</think>two" + END]
+    # This template renders no reasoning_content, so reasoning goes inline in the common
+    # convention. The first turn's reasoning is not in the training text (the template cuts
+    # it at </think>, keeping the newlines after it), so its mask covers what remains; the
+    # last turn keeps its inline reasoning.
+    assert decoded_runs(tiny_model_dir, row) == [
+        "\n\none" + END, "<think>\nr2\n</think>\n\ntwo" + END]
 
 
 def test_a_tokenizer_named_by_the_job_is_found_relative_to_the_job_file(

@@ -184,3 +184,28 @@ def test_percentile_is_nearest_rank() -> None:
     v = list(range(1, 101))
     assert [percentile(v, q) for q in (50, 90, 99, 100)] == [50, 90, 99, 100]
     assert percentile([7], 99) == 7
+
+
+def test_the_training_section_says_how_to_train_reasoning(tmp_path: Path, card: str) -> None:
+    # No reasoning in the run: no reasoning advice.
+    assert "Reasoning:" not in section(card, "Training with SpecForge")
+    think = [Turn("one", "r1", "stop", 10, 5, 0.1, 1.0), Turn("two", "r2", "stop", 20, 5, 0.1,
+                                                             1.0)]
+    plain = Turn("ok", None, "stop", 10, 5, 0.1, 1.0)
+    run = tmp_path / "think"
+    with RunStore.open(run) as store:
+        store.write_plan([sample("c", 0), sample("c", 1)], [])
+
+    async def go() -> None:
+        async with OutcomeWriter(run) as w:
+            await w.put(Record("c-0", "fp", "c", "short", ({"role": "user", "content": "q"},),
+                               ("more",), tuple(think), "http://x", 1, NOW))
+            await w.put(Record("c-1", "fp", "c", "short", ({"role": "user", "content": "q"},),
+                               (), (plain,), "http://x", 1, NOW))
+
+    asyncio.run(go())
+    text = section(write_card(run, now=NOW).read_text(), "Training with SpecForge")
+    assert "Reasoning: 1 of 2 done samples carry the model's reasoning" in text
+    assert "`--reasoning field`" in text and "`data.chat_template: qwen3-thinking`" in text
+    assert "--expect-reasoning --strict-think-markers" in text
+    assert "1 of them have reasoning on a turn before the last user message" in text

@@ -161,7 +161,7 @@ async def test_export_formats_reasoning_and_left_out_samples(tmp_path: Path) -> 
     assert (s.exported, s.truncated, s.empty, s.failed, s.pending) == (2, 1, 1, 0, 0)
     first = orjson.loads((tmp_path / "a.jsonl").read_bytes().splitlines()[0])
     assert first["status"] == "success" and isinstance(first["id"], str)
-    assert first["conversations"][-1]["content"] == "<think>think</think>ok"
+    assert first["conversations"][-1]["content"] == "<think>\nthink\n</think>\n\nok"
 
     export_run(out, tmp_path / "b.jsonl", ExportOptions(reasoning="field"))
     msg = orjson.loads((tmp_path / "b.jsonl").read_bytes().splitlines()[0])["conversations"][-1]

@@ -10,7 +10,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
+from draftgen.export.base import ExportContext, ExportOptions, Format
 
 SCHEMA = pa.schema([
     ("id", pa.string()),
@@ -37,7 +37,7 @@ class ParquetFormat(Format):
             "id": rec["id"],
             "category": rec["category"],
             "partition": rec["partition"],
-            "conversations": conversation(rec, opts.reasoning),
+            "conversations": self.thinking.conversation(rec),
             "finish_reason": turns[-1]["finish_reason"],
             "prompt_tokens": turns[0]["prompt_tokens"],
             "completion_tokens": sum(t["completion_tokens"] for t in turns),

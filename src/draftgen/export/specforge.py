@@ -7,6 +7,15 @@ source's earlier assistant turns, an end-of-turn token after a truncated answer,
 system prompt where a row has none, and the template's text after each end token. The
 export says how many rows each applies to and what to do; `--format tokens` is the exact
 path (SpecForge takes its `input_ids` and `loss_mask` as they are).
+
+Reasoning (read from SpecForge 0.2.0's data/parse.py and template.py): SpecForge renders
+rows through the model's own chat template. `--reasoning field` rows keep
+`reasoning_content` only under a chat template with `parser_type="thinking"` (e.g.
+`qwen3-thinking`), which also renders with `enable_thinking=True`; every other template
+drops the field before rendering. `--reasoning inline` rows carry the reasoning in `content`
+as the model's template renders it, which any template trains, but SpecForge's
+`validate_regenerated_data.py --strict-think-markers` rejects and its
+`expand_reasoning_conversations.py` skips (both want `reasoning_content`).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
+from draftgen.export.base import ExportContext, ExportOptions, Format
 from draftgen.quality.checks import trainer_gaps
 
 _ADVICE = {
@@ -26,6 +35,18 @@ _ADVICE = {
     "no_system": "have no system prompt: SpecForge's qwen-family templates insert 'You are a "
                  "helpful assistant.', which the target never saw (use a template without "
                  "one, such as lfm, or --format tokens)",
+}
+
+# What SpecForge does with the reasoning, by --reasoning mode.
+_REASONING = {
+    "field": "carry reasoning_content, which SpecForge keeps only under a thinking chat "
+             "template (data.chat_template qwen3-thinking for Qwen3-style models; qwen3.5, "
+             "qwen3-next-thinking, kimi-k2-thinking, deepseek-v32 for theirs): qwen, llama3 "
+             "and the rest drop it and train the answer alone",
+    "inline": "carry reasoning inline in content, which SpecForge trains under the model's "
+              "template family (qwen3-thinking or qwen for Qwen3), but its "
+              "validate_regenerated_data.py --strict-think-markers rejects and "
+              "expand_reasoning_conversations.py skips (use --reasoning field for those)",
 }
 
 
@@ -40,7 +61,7 @@ class SpecForgeFormat(Format):
         self._counts.update(trainer_gaps(rec))
         row = {
             "id": rec["id"],
-            "conversations": conversation(rec, opts.reasoning),
+            "conversations": self.thinking.conversation(rec),
             # SpecForge's validator wants this on regenerated rows.
             "status": "success",
         }
@@ -51,6 +72,9 @@ class SpecForgeFormat(Format):
 
     def notes(self) -> list[str]:
         notes = [f"{n} row(s) {_ADVICE[k]}" for k, n in sorted(self._counts.items()) if n]
+        if n := self.thinking.rows:
+            notes.append(f"{n} row(s) {_REASONING[self.thinking.mode]}")
+        notes += super().notes()
         if self.ctx.template_kwargs is not None:
             notes.append("rows carry chat_template_kwargs, which SpecForge's preparation does "
                          "not apply: set its template to render the same way")

@@ -9,6 +9,8 @@ what the model produced up to and including its end-of-turn token. That token is
 only when the model emitted it (finish_reason `stop`); a turn cut by `max_tokens` never
 generated it, and the template's copy is not a training target. Assistant turns that were
 part of the prompt (a multi-turn source row) are not the model's output and stay 0.
+Reasoning is rendered as the template renders it (`--reasoning inline` and `field` give the
+same ids where the template renders `reasoning_content`; see `base.Thinking`).
 
 Where a record carries the engine's own token ids (vLLM's `return_token_ids`, SGLang
 0.5.23's `sglext`), those are used as they are (`server_token_ids`), and each row says which
@@ -28,7 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.errors import JobError
-from draftgen.export.base import ExportContext, ExportOptions, Format, conversation
+from draftgen.export.base import (
+    ExportContext,
+    ExportOptions,
+    Format,
+    Thinking,
+    job_tokenizer,
+    load_tokenizer,
+    template_render,
+)
 from draftgen.quality.checks import check_turns
 
 
@@ -54,28 +64,13 @@ class ChatTokenizer:
     @classmethod
     def load(cls, name: str | Path, *,
              template_kwargs: Mapping[str, Any] | None = None) -> ChatTokenizer:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError:
-            raise JobError(
-                "--format tokens needs the `transformers` package: pip install 'draftgen[tokens]'"
-            ) from None
-        try:
-            tok = AutoTokenizer.from_pretrained(str(name))
-        # transformers raises OSError, ValueError and others for a missing or broken tokenizer.
-        except Exception as e:
-            raise JobError(f"tokenizer {name}: cannot be loaded ({e})") from None
-        if not getattr(tok, "chat_template", None):
-            raise JobError(f"tokenizer {name}: has no chat template; token-exact export "
-                           "needs the model's own template")
+        tok = load_tokenizer(name)
         return cls(tok, template_kwargs=template_kwargs, end_markers=_eos_tokens(tok, name))
 
     def render(self, messages: Sequence[Mapping[str, Any]], *,
                add_generation_prompt: bool) -> str:
-        text = self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False,
-            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
-        return str(text)
+        return template_render(self.tokenizer, self.template_kwargs)(
+            messages, add_generation_prompt)
 
     def encode(self, messages: Sequence[Mapping[str, Any]],
                targets: Sequence[tuple[int, str | None]]) -> Encoded:
@@ -169,28 +164,13 @@ def server_token_ids(rec: Mapping[str, Any]) -> tuple[list[int], list[int]] | No
 
 def resolve_tokenizer(ctx: ExportContext, opts: ExportOptions) -> str:
     """`--tokenizer`, else the job's `tokenizer` (relative to the job file)."""
-    if opts.tokenizer:
-        return _tokenizer_dir(Path(opts.tokenizer), opts.tokenizer)
-    job = ctx.manifest.get("job") or {}
-    name = job.get("tokenizer")
-    if not name:
+    name = job_tokenizer(ctx, opts)
+    if name is None:
         raise JobError(
             "--format tokens needs the model's tokenizer and chat template: pass "
             "--tokenizer DIR (a directory with tokenizer_config.json) or set `tokenizer` "
             "in the job")
-    path = Path(name)
-    job_file = ctx.manifest.get("job_file")
-    if not path.is_absolute() and job_file:
-        path = Path(job_file).parent / path
-    return _tokenizer_dir(path, str(name))
-
-
-def _tokenizer_dir(path: Path, name: str) -> str:
-    if path.is_file():
-        # The job may name tokenizer.json itself; its directory has the chat template.
-        return str(path.parent)
-    # Not a local path: a hub name, which transformers resolves (from its cache, offline).
-    return str(path) if path.exists() else name
+    return name
 
 
 def _eos_tokens(tok: Any, name: str | Path) -> list[str]:
@@ -215,17 +195,23 @@ class TokensFormat(Format):
 
     def prepare(self, ctx: ExportContext, opts: ExportOptions) -> None:
         super().prepare(ctx, opts)
-        self._chat = ChatTokenizer.load(resolve_tokenizer(ctx, opts),
-                                        template_kwargs=ctx.template_kwargs)
+        name = resolve_tokenizer(ctx, opts)
+        self._chat = ChatTokenizer.load(name, template_kwargs=ctx.template_kwargs)
+        self.thinking = Thinking(ctx, opts, render=self._render, source=name)
         self.retokenized_differs = 0
 
+    def _render(self, messages: Sequence[Mapping[str, Any]], generation: bool) -> str:
+        return self._chat.render(messages, add_generation_prompt=generation)
+
     def notes(self) -> list[str]:
-        if not self.retokenized_differs:
-            return []
-        return [f"{self.retokenized_differs} sample(s) re-tokenise to other ids than the "
+        notes = super().notes()
+        if self.retokenized_differs:
+            notes.append(
+                f"{self.retokenized_differs} sample(s) re-tokenise to other ids than the "
                 "model generated (metadata.retokenized_differs): exported from the server's "
                 "ids; a trainer that tokenises the text would not train on what the model "
-                "wrote"]
+                "wrote")
+        return notes
 
     def _retokenized(self, msgs: list[dict[str, str]], rec: Mapping[str, Any]
                      ) -> list[int] | None:
@@ -240,7 +226,7 @@ class TokensFormat(Format):
     def row(self, rec: dict[str, Any], opts: ExportOptions) -> dict[str, Any]:
         turns = rec["turns"]
         from_server = server_token_ids(rec)
-        msgs = conversation(rec, opts.reasoning)
+        msgs = self.thinking.conversation(rec)
         differs = False
         if from_server is not None:
             ids, mask = from_server

@@ -72,6 +72,9 @@ class CardFacts:
     trainer_gaps: Counter[str] = field(default_factory=Counter)
     # Done samples whose every turn carries the server's own token ids.
     server_ids: int = 0
+    # Done samples with reasoning; of them, with reasoning on a turn before the last one.
+    reasoning: int = 0
+    earlier_reasoning: int = 0
     rejected: int = 0
 
     def total(self, name: str) -> int:
@@ -117,6 +120,8 @@ def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts
         cat.system_prompts[system] += 1
         facts.trainer_gaps.update(trainer_gaps(rec))
         facts.server_ids += bool(turns) and all(t.get("token_ids") is not None for t in turns)
+        facts.reasoning += any(t.get("reasoning") for t in turns)
+        facts.earlier_reasoning += any(t.get("reasoning") for t in turns[:-1])
         facts.servers[str(rec.get("server") or "unknown")] += 1
         facts.configurations[str(rec.get("server_config") or UNVERIFIED)] += 1
     with contextlib.suppress(FileNotFoundError):
@@ -336,7 +341,28 @@ def _training_section(f: CardFacts) -> list[str]:
         "ids, which `--format tokens` exports as they are; the rest are tokenised with the "
         "job's tokenizer and chat template (`metadata.token_source` says which, per row).",
         "",
+        *_reasoning_paragraph(f),
     ]
+
+
+def _reasoning_paragraph(f: CardFacts) -> list[str]:
+    earlier = (f" {f.earlier_reasoning} of them have reasoning on a turn before the last user "
+               "message, which Qwen3-style templates render without it (as the model saw it "
+               "next turn): that reasoning is trained on neither path.")
+    return [] if not f.reasoning else [
+        f"Reasoning: {f.reasoning} of {f.total('done')} done samples carry the model's "
+        "reasoning. For the conversation path export with `--reasoning field` "
+        "(`reasoning_content` on every generated turn) and train with a thinking chat "
+        "template, `data.chat_template: qwen3-thinking` for Qwen3-style models (`qwen3.5` or "
+        "`qwen3-next-thinking` where the generation prompt opens `<think>`; "
+        "`kimi-k2-thinking`; `deepseek-v32`), which renders with `enable_thinking=True`; the "
+        "rows pass SpecForge's `validate_regenerated_data.py --expect-reasoning "
+        "--strict-think-markers`. Its other templates (`qwen`, `llama3`, ...) drop "
+        "`reasoning_content`. `--reasoning inline` (the default) writes the reasoning into "
+        "`content` as the model's chat template renders it (the job's tokenizer or "
+        "`--tokenizer`; else `<think>\\n…\\n</think>\\n\\n`): every template trains it, "
+        "but `--strict-think-markers` rejects it. `--format tokens` renders it with the "
+        "model's template either way." + (earlier if f.earlier_reasoning else ""), ""]
 
 
 def _system_prompts_section(f: CardFacts) -> list[str]:
