@@ -355,7 +355,10 @@ def roomy() -> tuple[AdaptiveScheduler, ServerState, Queues, list[str]]:
 def test_a_queue_while_the_cache_has_room_caps_requests_at_what_the_server_runs() -> None:
     sched, server, q, logs = roomy()
     assert len(q.fill([server])) == 150  # the cache has room for all: the partition limits
-    # The server runs 128 at once (its own max_num_seqs) and queues the rest.
+    # The server runs 128 at once (its own max_num_seqs) and queues the rest: once is not
+    # yet evidence (a queue the engine clears within a step), twice in a row is.
+    sched.on_load(server, load("a", capacity=100_000, running=128, waiting=22, usage=0.2))
+    assert not any("runs at most" in m for m in logs)
     sched.on_load(server, load("a", capacity=100_000, running=128, waiting=22, usage=0.2))
     assert "runs at most 128 requests" in logs[-1]
     assert sched.targets()["a"] == 100_000  # no KV back-off: the cache is not the limit
@@ -389,8 +392,9 @@ def test_requests_sent_beyond_the_running_limit_are_called_back_newest_first() -
         sched.books.flights[s.id].written = 3  # these have begun to answer
     q.fill([server], answer=False)
     assert server.in_flight == 10 + adaptive.UNANSWERED
-    sched.on_load(server, load("a", capacity=100_000, running=10,
-                               waiting=adaptive.UNANSWERED, usage=0.2))
+    for _ in range(adaptive.SLOT_READINGS):
+        sched.on_load(server, load("a", capacity=100_000, running=10,
+                                   waiting=adaptive.UNANSWERED, usage=0.2))
     back = sched.recall(server)
     # Room for 10 running + SLOT_QUEUE: the newest of those not answering come back.
     assert adaptive.SLOT_QUEUE == 1
@@ -454,3 +458,51 @@ def test_the_target_stays_within_its_bounds() -> None:
     for i in range(200):
         sched.on_load(server, load("a", preempt=100 * (i + 1)))
     assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.FACTOR_MIN)
+
+
+def test_a_queue_with_the_cache_full_is_no_evidence_of_a_running_limit() -> None:
+    """The issue's case: 9 running, 3 waiting, KV usage 94% — the cache binds; nothing is
+    learned, and what is in flight stays."""
+    sched, server, q, logs = roomy()
+    q.fill([server])
+    for usage in (0.94, 0.94, 0.97, 0.85):
+        sched.on_load(server, load("a", capacity=100_000, running=9, waiting=3, usage=usage))
+    assert sched.control("a").max_running is None and sched.recall(server) == []
+    assert not any("runs at most" in m for m in logs)
+    # Room, then full, then room: evidence must come in a row.
+    for usage in (0.5, 0.95, 0.5):
+        sched.on_load(server, load("a", capacity=100_000, running=9, waiting=3, usage=usage))
+    assert sched.control("a").max_running is None
+    assert any("the cache binds, not a running limit" in m for m in logs)
+
+
+def test_fast_start_trusts_a_low_kv_reading_until_the_first_sign_of_too_much() -> None:
+    sched, server, logs = full()
+    # Nothing learned: the projection expects every answer to run to max_tokens at once,
+    # while the server reads 40% full with no queue: the target rises a step a reading.
+    sched.on_load(server, load("a", usage=0.4))
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.FAST_START_STEP)
+    assert "fast start" in logs[-1]
+    sched.on_load(server, load("a", usage=0.9))  # full enough: no further step
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.FAST_START_STEP)
+    # The first back-off ends the fast start for good.
+    sched.on_load(server, load("a", usage=0.5, preempt=0))
+    sched.on_load(server, load("a", usage=0.5, preempt=50))
+    after = sched.targets()["a"]
+    assert after < 1000.0 * adaptive.FAST_START_STEP ** 2
+    for _ in range(3):
+        sched.on_load(server, load("a", usage=0.3, preempt=50))
+    assert sched.targets()["a"] == after
+
+
+def test_a_resumed_run_starts_from_the_target_the_last_one_ended_with() -> None:
+    logs: list[str] = []
+    first = AdaptiveScheduler(log=logs.append)
+    first.control("a").factor = 1.6
+    second = AdaptiveScheduler(log=logs.append)
+    second.restore(first.state())
+    second.on_load(ServerState("a"), load("a", capacity=1000, usage=0.1))
+    assert second.targets()["a"] == pytest.approx(1600.0)  # no fast start on top of it
+    assert "as the last run ended" in logs[-2]
+    second.restore({"b": 99.0})  # out of range: ignored
+    assert "b" not in second.targets()

@@ -172,7 +172,8 @@ class Runner:
                 sent=summary.sent, done=summary.done, failed=summary.failed,
                 truncated=summary.truncated, pending=summary.pending,
                 stopped=summary.stopped, retries=snap.retries,
-                scheduler=self.scheduler.name, events=events.messages[-200:],
+                scheduler=self.scheduler.name, scheduler_state=self.scheduler.state(),
+                events=events.messages[-200:],
                 servers=self._servers.records,
             )
             store.write_manifest(manifest)
@@ -214,6 +215,8 @@ class Runner:
             "token_count": plan.token_count_label,
         }
         manifest.setdefault("configurations", {}).update(self._servers.configurations)
+        if manifest["runs"] and manifest["runs"][-1].get("scheduler") == self.scheduler.name:
+            self.scheduler.restore(manifest["runs"][-1].get("scheduler_state") or {})
         if self._context:
             manifest["context"] = self._context
         manifest["runs"].append({

@@ -16,8 +16,9 @@ it backs off when preemptions/retractions outrun a small share of the requests f
 slot loses whole decode steps) or when the server queue grows, and pushes up while the
 client is the limit (the projection is at its target) yet the server's queue is dry and its
 KV usage below target. A short queue at the server is welcome: it refills a slot the moment
-one frees. A queue while the cache has room means the server's own limit on running
-requests binds instead; that limit is learned from the readings and caps what is sent.
+one frees. A queue while the cache clearly has room (on consecutive readings) means the
+server's own limit on running requests binds instead; that limit is learned from the
+readings and caps what is sent. A queue with the cache full is no evidence of one.
 
 Partitions compete by when they would finish: the one whose queue, at its current number
 of requests in flight, would take longest to drain, plus the length of its longest answers
@@ -58,6 +59,10 @@ PREEMPT_SLACK = 3
 QUEUE_OK = 2  # waiting requests at the server that count as "a short queue"
 # Requests sent beyond the server's own running limit, when that binds.
 SLOT_QUEUE = 1
+# A queue is evidence of a running limit only with KV usage at most this, on this many
+# readings in a row.
+SLOT_EVIDENCE_KV = 0.80
+SLOT_READINGS = 2
 # Requests on a server that have not begun to answer (waiting or in prefill) at most.
 UNANSWERED = 16
 # Requests finished under the current target before it may rise: what a change does shows
@@ -69,6 +74,10 @@ COOL_DOWN = 5
 # Readings after a back-off before preemptions count again: what was admitted before it
 # still has to finish, so the next reading often shows the same excess.
 SETTLE = 2
+# Fast start: until lengths are learned, the target rises by this much a reading while the
+# server's KV usage reads under FAST_START_KV with no queue and no preemption.
+FAST_START_STEP = 1.25
+FAST_START_KV = 0.80
 STEPS = 16  # look-ahead points over the longest max_tokens
 TAIL_QUANTILE = 0.99  # the length a partition's last answers may run to
 
@@ -87,6 +96,8 @@ class _ServerControl:
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
+    slot_evidence: int = 0  # readings in a row showing a queue with room in the cache
+    fast: bool = True  # fast start: until the first back-off
 
     @property
     def target(self) -> float | None:
@@ -104,6 +115,18 @@ class AdaptiveScheduler(Scheduler):
         self._ahead: list[float] = [0.0]
         self._span = 0
         self._candidate: tuple[str, str, list[float]] | None = None  # (sample, url, curve)
+
+    def state(self) -> dict[str, float]:
+        """Each server's factor: a resumed run starts where this one ended."""
+        return {url: round(c.factor, 4) for url, c in self._control.items()}
+
+    def restore(self, state: Mapping[str, float]) -> None:
+        for url, factor in state.items():
+            if isinstance(factor, int | float) and FACTOR_MIN <= factor <= FACTOR_MAX:
+                c = self.control(url)
+                c.factor = float(factor)
+                c.fast = False  # what the fast start would find is known
+                self._log(f"{url}: target ×{factor:.2f} of capacity, as the last run ended")
 
     def control(self, url: str) -> _ServerControl:
         c = self._control.get(url)
@@ -203,10 +226,21 @@ class AdaptiveScheduler(Scheduler):
                           f"{c.preempted} preemption(s)/retraction(s) for {c.finished} "
                           "request(s) finished")
                 c.calm = 0
+            c.fast = False
         elif growing:
             self._set(server.url, c, c.factor * BACK_OFF_QUEUE,
                       f"server queue growing: {load.waiting} waiting")
             c.calm = 0
+            c.fast = False
+        elif (c.fast and at_target and not self.books.lengths.learned
+              and (load.waiting or 0) <= QUEUE_OK and not new_preempt
+              and load.kv_usage is not None and load.kv_usage < FAST_START_KV):
+            # Before any length is learned the projection expects every answer to run to
+            # max_tokens (or to an earlier run's mean) and all at once: the cache reads
+            # emptier than that, so trust the reading until the first sign of too much.
+            self._set(server.url, c, c.factor * FAST_START_STEP,
+                      f"fast start: KV usage {load.kv_usage:.0%}, server queue "
+                      f"{load.waiting or 0}, no preemption")
         elif (c.calm >= COOL_DOWN and at_target and c.finished >= PUSH_EVIDENCE
               and self.books.lengths.learned
               and ((load.waiting or 0) == 0
@@ -233,11 +267,25 @@ class AdaptiveScheduler(Scheduler):
             return
         if c.max_running is not None and running > c.max_running:
             c.max_running = running
-        elif room and waiting > QUEUE_OK and running and running != c.max_running:
+            return
+        # Evidence of a limit is a queue while the cache is clearly not full (a request
+        # waits for blocks long before usage reads 100%), seen on consecutive readings
+        # (a queue the engine clears within a step is no limit). A full cache queues too:
+        # that is the cache binding, which the KV target handles.
+        clear = (room and load.kv_usage is not None and load.kv_usage <= SLOT_EVIDENCE_KV
+                 and waiting > QUEUE_OK and running > 0)
+        if not clear:
+            if waiting > QUEUE_OK and c.slot_evidence and not room:
+                self._log(f"{url}: {waiting} waiting with KV usage {load.kv_usage or 0:.0%}: "
+                          "the cache binds, not a running limit")
+            c.slot_evidence = 0
+            return
+        c.slot_evidence += 1
+        if c.slot_evidence >= SLOT_READINGS and running != c.max_running:
             c.max_running = running
-            self._log(f"{url}: runs at most {running} requests at once ({waiting} "
-                      f"waiting with KV usage {load.kv_usage:.0%}); sending at most "
-                      f"{running + SLOT_QUEUE}")
+            self._log(f"{url}: runs at most {running} requests at once ({waiting} waiting "
+                      f"with KV usage {load.kv_usage:.0%}, {c.slot_evidence} readings in a "
+                      f"row); sending at most {running + SLOT_QUEUE}")
 
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:
         factor = min(FACTOR_MAX, max(FACTOR_MIN, factor))

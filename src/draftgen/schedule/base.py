@@ -65,6 +65,13 @@ class Scheduler:
         """Output lengths recorded by earlier runs seed the expectation."""
         self.books.lengths.learn_prior(category, done, output_tokens)
 
+    def state(self) -> dict[str, float]:
+        """What this policy learned of each server that a later run should start from."""
+        return {}
+
+    def restore(self, state: Mapping[str, float]) -> None:
+        """Start from what an earlier run of this directory learned (`state()`)."""
+
     def started(self, sample: Sample, server: ServerState) -> Flight:
         """`sample` was sent to `server`; the runner adds streamed tokens to the flight."""
         flight = Flight(sample, server.url)
