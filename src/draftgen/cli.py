@@ -14,23 +14,17 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftgen.errors import DiskError, DraftgenError, JobError, StoreError
-from draftgen.job import JobSpec, load_job
-
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Generate training datasets from self-hosted LLM servers.")
-engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
-app.add_typer(engine_app, name="engine")
+from draftgen.cli_errors import OneLineErrors, fail
+from draftgen.errors import DraftgenError, HostError, JobError, StoreError, path_error
+from draftgen.job import JobSpec, load_job, read_api_key, url_problem
 
 # Off a terminal (a log, a pipe) rich assumes 80 columns, which squeezes the tables.
 _out = Console(width=None if sys.stdout.isatty() else 120)
-_err = Console(stderr=True)
 
-
-def _fail(e: DraftgenError) -> typer.Exit:
-    _err.print(f"[bold red]error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
-    code = 1 if isinstance(e, DiskError) else 2
-    return typer.Exit(code)
+app = typer.Typer(add_completion=False, no_args_is_help=True, cls=OneLineErrors,
+                  help="Generate training datasets from self-hosted LLM servers.")
+engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
+app.add_typer(engine_app, name="engine")
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -41,7 +35,31 @@ def _load(job_file: Path) -> JobSpec:
     try:
         return load_job(job_file)
     except JobError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
+
+
+def _check_url(url: str, where: str) -> None:
+    """A server URL is checked before anything connects (or a plan is built)."""
+    from draftgen.servers.attach import check_url
+
+    try:
+        check_url(url, where)
+    except JobError as e:
+        raise fail(e) from None
+    if (problem := url_problem(url)) is not None:
+        raise fail(JobError(f"{where}: {problem}"))
+
+
+def _run_dir(out_dir: Path, *, planned: bool = True) -> None:
+    """`out_dir` names a run directory (with `planned`, one a run has planned): readable as
+    one, or the command stops here, before any work."""
+    from draftgen.store.reading import check_run_dir, read_manifest
+
+    try:
+        check_run_dir(out_dir, planned=planned)
+        read_manifest(out_dir)
+    except StoreError as e:
+        raise fail(e) from None
 
 
 def _json(obj: object) -> None:
@@ -64,18 +82,44 @@ def plan(
     write_job: Annotated[Path | None, typer.Option(
         help="write a copy of the job with the proposed caps")] = None,
     kv_tokens: Annotated[int | None, typer.Option(
-        help="what if each server had this many KV tokens")] = None,
-    servers: Annotated[int | None, typer.Option(help="what if there were N servers")] = None,
+        min=1, help="what if each server had this many KV tokens")] = None,
+    servers: Annotated[int | None, typer.Option(min=1, help="what if there were N servers")
+                       ] = None,
 ) -> None:
     """Read every source, apply caps and dedup, and show what a run would generate; with
     --server or --from-run, how long it will take and what fits a --budget."""
+    from draftgen.planning.forecast import parse_duration
     from draftgen.planning.plan import build_plan
 
     job = _load(job_file)
+    # Every option is checked before the plan reads a single source row.
+    what_if = (budget, priority, kv_tokens, servers, write_job)
+    if server is None and from_run is None and any(o is not None for o in what_if):
+        raise fail(JobError("--budget, --priority, --kv-tokens, --servers and --write-job "
+                            "need --server URL or --from-run OUT"))
+    if write_job is not None and budget is None:
+        raise fail(JobError("--write-job needs --budget"))
+    api_key = None
+    if server is not None:
+        _check_url(server, "--server")
+        try:
+            api_key = read_api_key(job)
+        except JobError as e:
+            raise fail(e) from None
+    if from_run is not None:
+        _run_dir(from_run)
+    names = {c.name for c in job.categories}
+    order = [c.strip() for c in (priority or "").split(",") if c.strip()]
+    if unknown := [c for c in order if c not in names]:
+        raise fail(JobError(f"--priority: {', '.join(map(repr, unknown))} is not a category "
+                            f"of {job_file} ({', '.join(sorted(names))})"))
     try:
+        budget_s = parse_duration(budget) if budget is not None else None
+        if budget_s is not None and budget_s <= 0:
+            raise JobError(f"--budget: {budget!r} is no time at all")
         p = build_plan(job)
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     rows = p.summary_rows()
     if as_json:
         _json({"rows": rows, "totals": p.totals(), "token_count": p.token_count_label,
@@ -92,18 +136,12 @@ def plan(
                       style="bold" if r["category"] == "total" else None)
         _out.print(t)
     if server is None and from_run is None:
-        if budget or kv_tokens or servers or write_job:
-            raise _fail(JobError("--budget, --kv-tokens, --servers and --write-job need "
-                                 "--server URL or --from-run OUT"))
         return
-    from draftgen.job import read_api_key
-    from draftgen.planning.forecast import forecast, measure, parse_duration
+    from draftgen.planning.forecast import forecast, measure
 
     try:
-        budget_s = parse_duration(budget) if budget else None
         measured = asyncio.run(measure(job, server=server, from_run=from_run,
-                                       api_key=read_api_key(job)))
-        order = [c.strip() for c in (priority or "").split(",") if c.strip()]
+                                       api_key=api_key))
         fc = forecast(job, p, measured, kv_tokens=kv_tokens, servers=servers,
                       budget_s=budget_s, mode="priority" if order else "proportional",
                       priority=order)
@@ -116,7 +154,7 @@ def plan(
 
             print(f"wrote {write_job_with_caps(job_file, fc.caps.caps, write_job)}")
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
 
 
 @app.command()
@@ -134,17 +172,28 @@ def run(
              "`status` lists; repeatable)")] = None,
     progress: Annotated[bool | None, typer.Option(
         help="live view (default: only on a terminal)")] = None,
-    grace: Annotated[float, typer.Option(help="seconds in-flight requests get after a stop")] = 30,
+    grace: Annotated[float, typer.Option(
+        min=0, help="seconds in-flight requests get after a stop")] = 30,
     detach: Annotated[bool, typer.Option(
         help="run in the background; log and pid under the output directory")] = False,
     metrics_port: Annotated[int | None, typer.Option(
-        help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port)")] = None,
+        min=0, max=65535, help="serve Prometheus metrics on 127.0.0.1:PORT (0: a free port)")
+    ] = None,
 ) -> None:
     """Generate every pending sample of the job; safe to run again to resume."""
     from draftgen.running.runner import RunOptions, run_job
 
     job = _load(job_file)
     out_dir = out or job.resolve(job.output)
+    for url in server or ():
+        _check_url(url, "--server")
+    if out_dir.exists():  # a file, or a run directory whose manifest is damaged, stops here
+        _run_dir(out_dir, planned=False)
+    # A read-only place for the run directory is the machine's problem: exit 1, before a plan.
+    nearest = next(d for d in (out_dir, *out_dir.absolute().parents) if d.exists())
+    if nearest.is_dir() and not os.access(nearest, os.W_OK | os.X_OK):
+        raise fail(HostError(f"{'--out' if out else 'output'}: cannot write {out_dir}: "
+                             f"{nearest} is read-only or not writable"))
     if detach:
         from draftgen.running.detach import LOG, start_detached
 
@@ -155,7 +204,10 @@ def run(
                                         (rerun_truncated, "--rerun-truncated")) if on),
                 *(f for c in redo_config or () for f in ("--redo-config", c)),
                 *(["--metrics-port", str(metrics_port)] if metrics_port is not None else [])]
-        pid = start_detached(args, out_dir.resolve())
+        try:
+            pid = start_detached(args, out_dir.resolve())
+        except OSError as e:
+            raise fail(path_error(f"--out: cannot start a run in {out_dir}", e)) from None
         print(f"started in the background: pid {pid}, log {out_dir / LOG}\n"
               f"  draftgen status {out_dir}    draftgen stop {out_dir}")
         return
@@ -171,7 +223,7 @@ def run(
     try:
         summary = asyncio.run(run_job(job, opts))
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     print(summary.line(), flush=True)
     if summary.exit_code:
         raise typer.Exit(summary.exit_code)
@@ -179,15 +231,21 @@ def run(
 
 @app.command()
 def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
-         timeout: Annotated[float, typer.Option(help="seconds to wait for it to stop")] = 120,
+         timeout: Annotated[float, typer.Option(
+             min=0, help="seconds to wait for it to stop")] = 120,
          ) -> None:
     """Stop a run (detached or not) gracefully: in-flight requests finish first."""
     from draftgen.running.detach import stop_run
+    from draftgen.store.run_store import LOCK, PLAN
 
+    _run_dir(out_dir, planned=False)
+    # A run that is starting has its lock before its plan; a folder with neither is no run's.
+    if not (out_dir / LOCK).exists() and not (out_dir / PLAN).exists():
+        raise fail(StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})"))
     try:
         stopped = stop_run(out_dir, timeout_s=timeout)
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     print(f"{out_dir}: {'stopped' if stopped else 'no run is using it'}")
 
 
@@ -195,39 +253,18 @@ def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
 def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
            as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Show what a run directory holds (while it runs or after)."""
-    from draftgen.reporting.status import CategoryStatus, RunStatus, read_status
+    from draftgen.reporting.status import read_status
 
     try:
         st = read_status(out_dir)
     except StoreError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     if as_json:
         _json(st.as_json())
         return
-    alive = f"running (pid {st.pid})" if st.running else "not running"
-    t = Table(title=f"{out_dir} — {alive}")
-    for c in ("category", "total", "done", "failed", "truncated", "flagged", "pending",
-              "output tokens"):
-        t.add_column(c, justify="left" if c == "category" else "right")
-    rows: list[tuple[str, CategoryStatus | RunStatus]] = [*st.categories.items(), ("total", st)]
-    for name, row in rows:
-        t.add_row(name, f"{row.total:,}", f"{row.done:,}", f"{row.failed:,}",
-                  f"{row.truncated:,}", f"{row.flagged:,}", f"{row.pending:,}",
-                  f"{row.output_tokens:,}")
-    _out.print(t)
-    if st.failures:
-        _out.print("failures: " + ", ".join(f"{k} {v}" for k, v in st.failures.items()))
-    if st.flags:
-        _out.print("flags: " + ", ".join(f"{k} {v}" for k, v in st.flags.items()))
-    _out.print(f"rejected source rows: {st.rejected}")
-    if len(st.configurations) > 1 or any(c != "unverified" for c in st.configurations):
-        _out.print("samples per server configuration (regenerate one: run JOB --redo-config ID):")
-        for line in st.configuration_lines():
-            _out.print(line, markup=False)
-    for note in st.notes:
-        _out.print(f"note: {note}")
-    for line in st.live_lines():
-        _out.print(line)
+    _out.print(st.table())
+    for line in st.text_lines():
+        _out.print(line, markup=False)
 
 
 @app.command()
@@ -253,29 +290,26 @@ def export(
     """Write completed samples as training data; failed, truncated and flagged are left out."""
     from draftgen.export import ExportOptions, export_run
 
-    if reasoning not in ("inline", "field", "drop"):
-        raise _fail(JobError(f"--reasoning: {reasoning!r} is not inline, field or drop"))
-    try:
-        if ids not in ("draftgen", "source") or order not in ("plan", "source"):
-            raise JobError(f"--ids must be draftgen or source (got {ids!r}); --order must "
-                           f"be plan or source (got {order!r})")
+    try:  # export_run checks every option before it reads the run
         opts = ExportOptions(format, reasoning, include_truncated,  # type: ignore[arg-type]
                              include_flagged=include_flagged, tokenizer=tokenizer,
                              ids=ids, order=order)  # type: ignore[arg-type]
         s = export_run(out_dir, to, opts)
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
     print(s.line())
 
 
 @app.command()
 def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
            max_length: Annotated[int, typer.Option(
-               help="training max_length to warn about (SpecForge's default: 2048)")] = 2048,
+               min=1, help="training max_length to warn about (SpecForge's default: 2048)")
+           ] = 2048,
            plots: Annotated[bool, typer.Option(help="also draw PNG plots")] = False) -> None:
     """Write the dataset card (OUT/DATASET_CARD.md) and, with --plots, PNG plots."""
     from draftgen.reporting.card import write_card
 
+    _run_dir(out_dir)
     try:
         print(write_card(out_dir, max_length=max_length))
         if plots:
@@ -284,7 +318,7 @@ def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
             for p in draw_plots(out_dir, out_dir / "plots"):
                 print(p)
     except DraftgenError as e:
-        raise _fail(e) from None
+        raise fail(e) from None
 
 
 @app.command()
@@ -294,11 +328,26 @@ def serve(
     stop: Annotated[bool, typer.Option("--stop", help="stop the profile's server")] = False,
     restart: Annotated[bool, typer.Option(
         "--restart", help="stop, start, verify, show what changed")] = False,
-    timeout: Annotated[float, typer.Option(help="seconds to wait for the server")] = 1800.0,
+    timeout: Annotated[float, typer.Option(min=0, help="seconds to wait for the server")
+                       ] = 1800.0,
 ) -> None:
     """Launch a server from a profile, wait for a real generation, verify it, summarise."""
+    from draftgen.servers import check_profile, load_profile
     from draftgen.servers import serve as serve_profile
 
+    # Bad input stops here with one `error:` line; what is left for `serve` to report
+    # concerns the server itself.
+    if sum((dry_run, stop, restart)) > 1:
+        raise fail(JobError("give at most one of --dry-run, --stop, --restart"))
+    if profile is None and not stop:
+        raise fail(JobError("give a server profile (YAML); see examples/profiles/"))
+    if profile is not None and not (stop and profile.is_dir()):
+        try:
+            loaded = load_profile(profile)
+            if not stop:
+                check_profile(loaded)
+        except DraftgenError as e:
+            raise fail(e) from None
     raise typer.Exit(serve_profile(profile, dry_run, stop, restart, timeout))
 
 
@@ -307,15 +356,25 @@ def probe(
     reference: Annotated[str, typer.Option(help="reference server URL (e.g. bf16 KV)")],
     candidate: Annotated[str, typer.Option(help="candidate server URL (e.g. fp8 KV)")],
     prompts: Annotated[Path | None, typer.Option(help="JSONL prompts (default: demo)")] = None,
-    n: Annotated[int, typer.Option("-n", help="prompts to probe")] = 200,
-    max_tokens: Annotated[int, typer.Option(help="greedy tokens per prompt")] = 64,
-    top_k: Annotated[int, typer.Option(help="top-k log-probabilities compared")] = 10,
+    n: Annotated[int, typer.Option("-n", min=1, help="prompts to probe")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="greedy tokens per prompt")] = 64,
+    top_k: Annotated[int, typer.Option(min=1, help="top-k log-probabilities compared")] = 10,
     model: Annotated[str | None, typer.Option(help="served model name")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
 ) -> None:
     """Measure how far a candidate server drifts from a reference on the same model."""
     from draftgen.probe import probe_command
+    from draftgen.probe.command import load_prompts
 
+    _check_url(reference, "--reference")
+    _check_url(candidate, "--candidate")
+    if json_out is not None and json_out.is_dir():
+        raise fail(JobError(f"--json: {json_out} is a directory; give the file to write"))
+    if prompts is not None:
+        try:
+            load_prompts(prompts)
+        except DraftgenError as e:
+            raise fail(e) from None
     raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
                                    json_out, model=model))
 
@@ -323,9 +382,18 @@ def probe(
 @engine_app.command("build-model")
 def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
     """Build the tiny deterministic test model (no downloads)."""
-    from draftgen.engine.tinymodel import build_tiny_model
+    from draftgen.engine.tinymodel import STAMP_NAME, build_tiny_model
 
-    print(build_tiny_model(out_dir))
+    # The build replaces what is at OUT_DIR: only ever an earlier build, never a user's files.
+    if out_dir.exists() and not out_dir.is_dir():
+        raise fail(JobError(f"{out_dir}: is a file; give a directory for the model"))
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / STAMP_NAME).exists():
+        raise fail(JobError(f"{out_dir}: not empty and not a model draftgen built; give a new "
+                            "or empty directory"))
+    try:
+        print(build_tiny_model(out_dir))
+    except OSError as e:
+        raise fail(path_error(f"{out_dir}: cannot build the model", e)) from None
 
 
 def main() -> None:

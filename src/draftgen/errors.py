@@ -2,21 +2,27 @@
 
     DraftgenError
     ├── JobError            bad job file or option (the CLI exits 2)
-    ├── StoreError          the output directory cannot be used
+    ├── StoreError          the output directory cannot be used (the CLI exits 2)
     │   ├── JobChangedError done records were made with different requests
-    │   └── DiskError       a write failed (ENOSPC, EIO): stop, keep what is complete
+    │   └── DiskError       a write failed (ENOSPC, EIO): stop, keep what is complete (exit 1)
+    ├── HostError           the machine, not the input: a path it will not let us write,
+    │                       a missing optional package (the CLI exits 1)
     └── RequestError        one request failed; `retryable` decides what the runner does
         ├── Transient       may succeed if sent again: 408/429/5xx, broken stream, idle timeout
         │   └── ServerDown  nothing is listening: connection refused or reset, 502/503
         └── Permanent       sending it again cannot help
             ├── BadRequest      400/404/422 and other client errors
+            ├── RunError        the whole run, not one sample: refused key, unknown model
             └── ContextTooLong  prompt + max_tokens exceed the server's context
 
 Request errors are decided once, where HTTP meets our code (`client/`), and a final
-failure becomes a data row with `reason`, never a crash.
+failure becomes a data row with `reason`, never a crash. The CLI prints any other error
+as one line naming the file or field (`error: ...`), never a traceback.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class DraftgenError(Exception):
@@ -37,6 +43,23 @@ class JobChangedError(StoreError):
 
 class DiskError(StoreError):
     """Writing to the output directory failed; completed work is intact on disk."""
+
+
+class HostError(DraftgenError):
+    """The input is fine but this machine cannot do it: a destination that cannot be written
+    (permissions, a read-only or full file system), an optional package not installed."""
+
+
+# OS errors that say the machine refuses, not that the path given was wrong.
+_HOST_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                          errno.EIO})
+
+
+def path_error(where: str, e: OSError) -> JobError | HostError:
+    """`where: <what the OS said>`, as a HostError when the machine refused (permissions, a
+    read-only, full or failing disk) and as a JobError when the path itself is wrong."""
+    message = f"{where}: {e.strerror or type(e).__name__}"
+    return HostError(message) if e.errno in _HOST_ERRNOS else JobError(message)
 
 
 class RequestError(DraftgenError):

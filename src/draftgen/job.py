@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -25,6 +26,24 @@ from draftgen.yamlfile import load_model
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with `url` as a server's base URL (http or https, a host, a valid
+    port, no spaces), or None: checked before anything connects, so it never surfaces as an
+    HTTP library's exception."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return f"{url!r} names no host"
+    if any(c.isspace() for c in url):
+        return f"{url!r} contains whitespace"
+    try:
+        _ = parts.port  # parsing it is the check
+    except ValueError:
+        return f"{url!r} has an invalid port"
+    return None
 
 
 class Sampling(_Strict):
@@ -105,6 +124,8 @@ class Server(_Strict):
     def _http(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        if v is not None and (problem := url_problem(v)) is not None:
+            raise ValueError(problem)
         return v.rstrip("/") if v else v
 
     @model_validator(mode="after")
@@ -223,14 +244,25 @@ def read_api_key(job: JobSpec) -> str | None:
         key = os.environ.get(job.api_key_env, "").strip()
         if not key:
             raise JobError(f"api_key_env: environment variable {job.api_key_env} is not set")
-        return key
+        return _header_safe(key, f"api_key_env: the key in {job.api_key_env}")
     if job.api_key_file is not None:
         path = job.resolve(job.api_key_file)
         try:
             key = path.read_text(encoding="utf-8").strip()
         except OSError as e:
             raise JobError(f"api_key_file: cannot read {path}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise JobError(f"api_key_file: {path} is not UTF-8 text") from None
         if not key:
             raise JobError(f"api_key_file: {path} is empty")
-        return key
+        return _header_safe(key, f"api_key_file: the key in {path}")
     return None
+
+
+def _header_safe(key: str, where: str) -> str:
+    """A key goes into an `Authorization` header: only visible ASCII can travel there (an
+    inner line break would otherwise fail deep in the HTTP client, or split the header)."""
+    if not all("!" <= c <= "~" for c in key):
+        raise JobError(f"{where} contains a line break, space, control or non-ASCII "
+                       "character, which an HTTP header cannot carry (one key, one line)")
+    return key

@@ -11,6 +11,7 @@ import orjson
 import pytest
 import yaml
 
+from draftgen.errors import JobError
 from draftgen.job import JobSpec, load_job
 from draftgen.planning.plan import Plan, build_plan, route
 from draftgen.planning.tokens import MESSAGE_OVERHEAD_TOKENS, TokenCounter
@@ -87,6 +88,43 @@ def test_duplicates_removed_first_category_keeps_its_copy(tmp_path: Path) -> Non
     assert plan.stats[("a", "short")].duplicates == 1
     assert plan.stats[("b", "short")].duplicates == 1
     assert plan.rejected == []
+
+
+def test_prompt_capped_out_of_a_category_is_kept_by_a_later_one(tmp_path: Path) -> None:
+    texts = [f"q{i}" for i in range(6)]
+    write_rows(tmp_path / "a.jsonl", prompts(texts))
+    job = make_job(tmp_path, [cat("a", "a.jsonl", cap=2), cat("b", "a.jsonl")])
+    plan = build_plan(job)
+    in_a = contents(plan, "a")
+    # Every prompt is planned exactly once: b drops only the copies a kept.
+    assert sorted(contents(plan)) == texts
+    assert sorted(contents(plan, "b")) == sorted(set(texts) - set(in_a))
+    a, b = plan.stats[("a", "short")], plan.stats[("b", "short")]
+    assert (a.prompts, a.capped, a.duplicates) == (2, 4, 0)
+    assert (b.prompts, b.capped, b.duplicates) == (4, 0, 2)
+    assert build_plan(job).samples == plan.samples
+
+
+def test_duplicates_within_a_category_go_before_its_cap(tmp_path: Path) -> None:
+    write_rows(tmp_path / "a.jsonl", prompts(["x", "x", "x", "y"]))
+    plan = build_plan(make_job(tmp_path, [cat("a", "a.jsonl", cap=2)]))
+    assert sorted(contents(plan)) == ["x", "y"]
+    st = plan.stats[("a", "short")]
+    assert (st.duplicates, st.capped) == (2, 0)
+
+
+def test_prompt_below_every_minimum_stays_free_for_a_later_category(tmp_path: Path) -> None:
+    write_rows(tmp_path / "a.jsonl", prompts(["tiny", "x" * 400]))
+    job = make_job(
+        tmp_path,
+        [{"name": "a", "source": {"path": "a.jsonl"}}, cat("b", "a.jsonl", partition="long")],
+        partitions={"long": {"max_tokens": 8, "min_prompt_tokens": 50}},
+    )
+    plan = build_plan(job)
+    assert contents(plan, "a") == ["x" * 400]
+    assert contents(plan, "b") == ["tiny"]
+    assert plan.stats[("b", "long")].duplicates == 1
+    assert [reason_code(r.reason) for r in plan.rejected] == ["no_partition"]
 
 
 def test_different_system_prompts_are_not_duplicates(tmp_path: Path) -> None:
@@ -310,13 +348,35 @@ def test_empty_source_still_has_a_summary_row(tmp_path: Path) -> None:
     plan = build_plan(make_job(tmp_path, [cat("a", "a.jsonl")]))
     assert plan.samples == []
     assert [r["category"] for r in plan.summary_rows()] == ["a"]
+    assert plan.warnings == ["category a: source a.jsonl gave no rows"]
 
 
-def test_tokenizer_that_fails_to_load_is_reported(tmp_path: Path) -> None:
+def test_category_left_with_no_samples_says_why(tmp_path: Path) -> None:
+    write_rows(tmp_path / "a.jsonl", prompts(["x", "y"]))
+    write_rows(tmp_path / "b.jsonl", ["{bad", {"messages": []}, "[1"])
+    write_rows(tmp_path / "c.jsonl", [*prompts(["x", "y", "x"]), "{bad"])
+    write_rows(tmp_path / "d.jsonl", prompts(["t1", "t2"]))
+    categories = [cat(n, f"{n}.jsonl", partition="long") for n in "abc"] + [
+        {"name": "d", "source": {"path": "d.jsonl"}}, cat("z", "d.jsonl", partition="long", cap=0)]
+    partitions = {"long": {"max_tokens": 8, "min_prompt_tokens": 50}}
+    plan = build_plan(make_job(tmp_path, categories, partitions=partitions))
+    assert sorted(contents(plan)) == ["x", "y"]
+    # b: every row bad; c: all copies of a's prompts; d: too short for every partition;
+    # a: planned, and z: asked for none, say nothing.
+    assert plan.warnings == [
+        "category b: all 3 rows of b.jsonl were rejected (malformed_json 2, empty_prompt 1)",
+        "category c: no samples from the 4 rows of c.jsonl: 1 rejected (malformed_json 1), "
+        "3 duplicated prompts earlier categories planned",
+        "category d: no samples from the 2 rows of d.jsonl: "
+        "2 below every partition's min_prompt_tokens",
+    ]
+
+
+def test_tokenizer_that_fails_to_load_is_a_job_error(tmp_path: Path) -> None:
+    # A tokenizer the job names must count the tokens, never a silent estimate instead.
     write_rows(tmp_path / "a.jsonl", prompts(["x"]))
-    plan = build_plan(make_job(tmp_path, [cat("a", "a.jsonl")], tokenizer="missing.json"))
-    assert plan.token_count_label == "estimate (chars/4)"
-    assert len(plan.warnings) == 1 and "missing.json" in plan.warnings[0]
+    with pytest.raises(JobError, match=r"tokenizer: .*missing\.json"):
+        build_plan(make_job(tmp_path, [cat("a", "a.jsonl")], tokenizer="missing.json"))
 
 
 def test_demo_job_plans_every_category() -> None:

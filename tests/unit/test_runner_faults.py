@@ -16,11 +16,11 @@ from test_runner import echo, last_user, make_job, rows, run
 
 from draftgen.errors import DiskError
 from draftgen.job import load_job
+from draftgen.reporting.status import read_status
 from draftgen.running import monitor
 from draftgen.running.progress import server_text
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.running.stats import ServerSnapshot
-from draftgen.reporting.status import read_status
 
 SECRET = "sk-test-5f2b9c0d1e"
 
@@ -207,7 +207,7 @@ async def test_a_server_that_stops_listening_gets_its_silent_streams_back_within
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = "http://127.0.0.1:{}".format(runner.addresses[0][1])
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     job = make_job(tmp_path, rows(3), client="hang_timeout_s: 120, server_down_give_up_s: 2, ")
     job.write_text(job.read_text() + "poll_interval_s: 0.1\n")
     try:

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from draftgen.errors import JobError
+from draftgen.errors import HostError, JobError
 from draftgen.job import Source
 from draftgen.sample import Rejected
 from draftgen.sources import SampleReader, SourcePrompt, open_source, reason_code
@@ -137,7 +137,8 @@ def test_hf_without_datasets_says_how_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(JobError, match=r"pip install 'draftgen\[hf\]'"):
+    # A missing package is the machine's problem, not the job's: the CLI exits 1.
+    with pytest.raises(HostError, match=r"pip install 'draftgen\[hf\]'"):
         open_source(Source(hf_dataset="org/prompts"), tmp_path)
 
 

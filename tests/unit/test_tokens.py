@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.planning.tokens import ESTIMATE_LABEL, MESSAGE_OVERHEAD_TOKENS, TokenCounter
 
@@ -92,14 +93,18 @@ def test_count_many_matches_one_at_a_time_across_chunks(
         assert c.count_many(prompts) == [c.count_prompt(m, f) for m, f in prompts]
 
 
-def test_unloadable_tokenizer_falls_back_to_estimate_with_a_warning(tmp_path: Path) -> None:
+def test_a_named_tokenizer_that_cannot_be_loaded_is_a_job_error(tmp_path: Path) -> None:
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    c = TokenCounter.from_path(bad)
-    assert not c.exact and c.label == ESTIMATE_LABEL
-    assert c.warning is not None and str(bad) in c.warning
-    missing = TokenCounter.from_path(tmp_path / "nothing-here")
-    assert not missing.exact and missing.warning is not None
+    with pytest.raises(JobError, match=r"tokenizer: cannot load .*tokenizer\.json"):
+        TokenCounter.from_path(bad)
+    with pytest.raises(JobError, match=r"tokenizer: no tokenizer file .*nothing-here"):
+        TokenCounter.from_path(tmp_path / "nothing-here")
+    # A directory without a tokenizer.json in it names the file it looked for.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(JobError, match=r"no tokenizer file .*empty/tokenizer\.json"):
+        TokenCounter.from_path(empty)
 
 
 def test_from_job_resolves_tokenizer_relative_to_job_file(tokenizer_file: Path) -> None:

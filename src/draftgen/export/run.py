@@ -8,19 +8,28 @@ beside its destination and renamed into place, so a failed export leaves no half
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from draftgen.errors import JobError
+import orjson
+
+from draftgen.errors import DraftgenError, HostError, JobError, StoreError
 from draftgen.export import registry
 from draftgen.export.base import ExportContext, ExportOptions
 from draftgen.quality.checks import check_turns, quality_flags
-from draftgen.store.reading import current_entries
-from draftgen.store.run_store import read_manifest
-from draftgen.store.shards import read_at
+from draftgen.store.reading import current_entries, read_manifest
+from draftgen.store.run_store import LEDGER, LOCK, MANIFEST, PLAN, REJECTED
+from draftgen.store.shards import SHARD_DIR, read_at
+
+# A destination the user spelled wrong (exit 2), as against one this machine will not let
+# us write (permissions, a read-only or full file system: exit 1).
+_BAD_PATH = {errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.ENAMETOOLONG}
+RUN_FILES = frozenset({LEDGER, LOCK, MANIFEST, PLAN, REJECTED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +77,40 @@ def _export_ids(plan: list[dict[str, Any]], mode: str) -> dict[str, str]:
     return {pid: sid for pid, sid in mapped.items() if sid not in unmapped}
 
 
+def _write_error(to: Path, e: OSError) -> DraftgenError:
+    what = e.strerror or type(e).__name__
+    if e.errno in _BAD_PATH:
+        file = next((a for a in to.parents if a.exists() and not a.is_dir()), None)
+        if file is not None:
+            what = f"{file} is a file, not a directory"
+        return JobError(f"--to: cannot write {to}: {what}")
+    # Its folder exists (made just now if need be), so the file system refused the file.
+    return HostError(f"--to: cannot write {to}: {what}")
+
+
+def _check_destination(to: Path, out_dir: Path) -> None:
+    if to.is_dir() or not to.name:
+        raise JobError(f"--to: {to} is a directory; give the file to write")
+    # Writing over the run's own files would lose the run: an export goes anywhere else.
+    target, run = to.resolve(), out_dir.resolve()
+    if (target.parent == run and target.name in RUN_FILES) or run / SHARD_DIR in target.parents:
+        raise JobError(f"--to: {to} is one of the run's own files; write the export elsewhere")
+
+
+# Each option with what it may be (ExportOptions' Literal types, checked at run time).
+_CHOICES = {"reasoning": ("inline", "field", "drop"), "ids": ("draftgen", "source"),
+            "order": ("plan", "source")}
+
+
 def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
     formats = registry.formats()
     fmt = formats.get(opts.format)
     if fmt is None:
-        raise JobError(f"--format: {opts.format!r} is not one of {sorted(formats)}")
+        raise JobError(f"--format: {opts.format!r} is not one of {', '.join(sorted(formats))}")
+    for name, allowed in _CHOICES.items():
+        if (value := getattr(opts, name)) not in allowed:
+            raise JobError(f"--{name}: {value!r} is not one of {', '.join(allowed)}")
+    _check_destination(to, out_dir)
     plan, entries = current_entries(out_dir)
     manifest = read_manifest(out_dir)
     fmt.prepare(ExportContext(out_dir, manifest), opts)
@@ -97,7 +135,12 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
             elif e.trunc and not (opts.include_truncated or e.part in keep):
                 counts["truncated"] += 1
             else:
-                rec = read_at(out_dir, e.shard, e.off, e.len, files)
+                try:
+                    rec = read_at(out_dir, e.shard, e.off, e.len, files)
+                except (OSError, orjson.JSONDecodeError):
+                    raise StoreError(f"{out_dir / e.shard}: the record of {p['id']} (bytes "
+                                     f"{e.off}+{e.len}) cannot be read; the shard is damaged "
+                                     "or missing") from None
                 if not all((t["content"] or "").strip() for t in rec["turns"]):
                     counts["empty"] += 1
                     continue
@@ -113,18 +156,21 @@ def export_run(out_dir: Path, to: Path, opts: ExportOptions) -> ExportSummary:
                     row["truncated"] = True
                 yield row
 
-    to.parent.mkdir(parents=True, exist_ok=True)
     tmp = to.with_name(f".{to.name}.tmp")
     try:
+        to.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             fmt.write(rows(), f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, to)
+    except OSError as e:
+        raise _write_error(to, e) from None
     finally:
         for fh in files.values():
             fh.close()
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # where it could not be made, nothing to remove
+            tmp.unlink(missing_ok=True)
     return ExportSummary(to, counts["exported"], counts["failed"], counts["truncated"],
                          counts["empty"], counts["pending"], counts["flagged"],
                          tuple(fmt.notes()))

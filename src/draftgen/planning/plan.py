@@ -3,14 +3,23 @@
 Building it is deterministic: the same job file and sources give the same samples, ids,
 order and fingerprints on any machine, which is what lets a run resume. Per category:
 
-    read rows -> reject bad ones -> drop exact duplicates (an earlier category keeps its
-    copy) -> shuffle with a seed of (job.seed, category) -> keep the first `cap` ->
-    count prompt tokens -> choose a partition -> one sample per `samples_per_prompt`
+    read rows -> reject bad ones -> drop exact duplicates (of an earlier row of the category,
+    or of a prompt an earlier category planned) -> shuffle with a seed of (job.seed,
+    category) -> keep the first `cap` -> count prompt tokens -> choose a partition ->
+    one sample per `samples_per_prompt`
+
+A prompt is only ever dropped as a duplicate of a copy that is planned: one that an earlier
+category capped out, or found below every partition's minimum, stays free for a later one.
+Sample ids are `<category>-<source id or 12-hex content digest>[-<k>]`; one that would
+repeat an id already planned (`a` + `b-1` and `a-b` + `1`) takes the prompt's content
+digest too, and the plan warns. A category that ends with no samples is warned about.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +31,8 @@ from draftgen.sources import SourcePrompt, open_source, reason_code
 
 NO_PARTITION = "no_partition"
 KEY_HEX_CHARS = 12
+# How many renamed ids the warning names; it counts them all.
+RENAMED_SHOWN = 3
 
 SUMMARY_KEYS = (
     "prompts",
@@ -114,6 +125,30 @@ def route(partitions: dict[str, Partition], prompt_tokens: int) -> str | None:
     return best
 
 
+@dataclass(slots=True)
+class _Planned:
+    """What the categories planned so far hold, which a later one must not repeat."""
+
+    # Content digests of planned prompts: a later copy of one is a duplicate.
+    digests: set[str] = field(default_factory=set)
+    # Every sample id planned.
+    ids: set[str] = field(default_factory=set)
+    # How many prompts' natural ids were already taken, and the first few, described.
+    renamed: int = 0
+    shown: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Dropped:
+    """Why one category's rows did not become prompts, for its warning when none did."""
+
+    rejected: dict[str, int] = field(default_factory=dict)  # reading rejections, by code
+    repeated: int = 0  # duplicates of an earlier row of the same category
+    earlier: int = 0  # duplicates of a prompt an earlier category planned
+    capped: int = 0
+    no_partition: int = 0
+
+
 def build_plan(job: JobSpec, counter: TokenCounter | None = None) -> Plan:
     """Read every category's source and expand it into samples; see the module docstring."""
     counter = counter if counter is not None else TokenCounter.from_job(job)
@@ -121,10 +156,17 @@ def build_plan(job: JobSpec, counter: TokenCounter | None = None) -> Plan:
     if counter.warning:
         plan.warnings.append(counter.warning)
     base = body_digest(base_body(job.model, job.sampling.model_dump()))
-    seen: set[str] = set()
+    planned = _Planned()
     with gc_paused():
         for category in job.categories:
-            _plan_category(job, category, counter, base, seen, plan)
+            _plan_category(job, category, counter, base, planned, plan)
+    if planned.renamed:
+        n = planned.renamed
+        more = f"; and {n - len(planned.shown)} more" if n > len(planned.shown) else ""
+        plan.warnings.append(
+            f"{n} prompt(s) would have reused a sample id already planned and were given "
+            "their content digest to keep ids unique: " + "; ".join(planned.shown) + more
+        )
     # Job order for the summary, whatever order shuffled prompts reached their partitions in.
     rank = {name: i for i, name in enumerate(["auto", *job.partitions])}
     cats = {c.name: i for i, c in enumerate(job.categories)}
@@ -144,34 +186,44 @@ def _plan_category(
     category: Category,
     counter: TokenCounter,
     base: str,
-    seen: set[str],
+    planned: _Planned,
     plan: Plan,
 ) -> None:
     reader = open_source(category.source, job.resolve("."))
     pre = _stats(plan, category.name, category.partition)
+    dropped = _Dropped()
     kept: list[tuple[SourcePrompt, str]] = []
+    mine: set[str] = set()
     for item in reader.read(category.name, job.multi_turn, category.system_prompt):
         pre.rows_read += 1
         if isinstance(item, Rejected):
             plan.rejected.append(item)
             pre.rejected += 1
+            code = reason_code(item.reason)
+            dropped.rejected[code] = dropped.rejected.get(code, 0) + 1
             continue
         digest = content_digest(item.messages, item.followups)
-        if digest in seen:
+        # Before the cap, so a cap counts distinct prompts. `planned.digests` holds only the
+        # prompts earlier categories kept: one they capped out is still this category's.
+        if digest in mine or digest in planned.digests:
             pre.duplicates += 1
+            if digest in mine:
+                dropped.repeated += 1
+            else:
+                dropped.earlier += 1
             continue
-        seen.add(digest)
+        mine.add(digest)
         kept.append((item, digest))
 
     random.Random(f"{job.seed}:{category.name}").shuffle(kept)
     if category.cap is not None and len(kept) > category.cap:
-        pre.capped += len(kept) - category.cap
+        dropped.capped = len(kept) - category.cap
+        pre.capped += dropped.capped
         del kept[category.cap :]
 
     counts = counter.count_many([(p.messages, p.followups) for p, _ in kept])
     spp = job.samples_per_prompt
     seed = job.sampling.seed
-    keys: set[str] = set()
     for (prompt, digest), tokens in zip(kept, counts, strict=True):
         part = category.partition if category.partition != "auto" else route(job.partitions, tokens)
         if part is None:
@@ -187,20 +239,18 @@ def _plan_category(
                 )
             )
             pre.rejected += 1
+            dropped.no_partition += 1
             continue
-        key = prompt.id if prompt.id is not None else digest[:KEY_HEX_CHARS]
-        if key in keys:
-            # Two different prompts sharing a 12-hex prefix: vanishingly rare, but an id
-            # must never name two samples, so the later one takes the whole digest.
-            key = digest
-        keys.add(key)
+        planned.digests.add(digest)
+        source = f"{reader.name}:{prompt.row}"
+        ids = _sample_ids(planned, plan, category.name, prompt.id, digest, spp, source)
         max_tokens = job.partitions[part].max_tokens
         st = _stats(plan, category.name, part)
         st.prompts += 1
-        for k in range(spp):
+        for k, sample_id in enumerate(ids):
             sample_seed = seed + k if seed is not None else None
             plan.samples.append(Sample(
-                id=f"{category.name}-{key}-{k}" if spp > 1 else f"{category.name}-{key}",
+                id=sample_id,
                 category=category.name,
                 partition=part,
                 messages=prompt.messages,
@@ -208,7 +258,7 @@ def _plan_category(
                 followups=prompt.followups,
                 seed=sample_seed,
                 prompt_tokens=tokens,
-                source=f"{reader.name}:{prompt.row}",
+                source=source,
                 fingerprint=fingerprint(base, digest, max_tokens, sample_seed),
                 source_id=(None if prompt.id is None
                            else f"{prompt.id}-{k}" if spp > 1 else str(prompt.id)),
@@ -216,3 +266,97 @@ def _plan_category(
         st.samples += spp
         st.prompt_tokens += tokens * spp
         st.max_output_tokens += max_tokens * spp
+    if dropped.no_partition == len(kept):  # not one prompt planned
+        _warn_empty(plan, category, reader.name, pre.rows_read, dropped)
+
+
+def _candidate_keys(prompt_id: str | None, digest: str) -> Iterator[str]:
+    """A prompt's id keys, its natural one first; each later one is less likely taken."""
+    if prompt_id is None:
+        yield digest[:KEY_HEX_CHARS]
+        # Two different prompts sharing a 12-hex prefix: vanishingly rare, but an id must
+        # never name two samples, so the later one takes the whole digest.
+        stem = digest
+    else:
+        yield prompt_id
+        yield f"{prompt_id}-{digest[:KEY_HEX_CHARS]}"
+        stem = f"{prompt_id}-{digest}"
+    yield stem
+    # Only ids crafted to collide get this far; a counter still ends the search.
+    for n in itertools.count(1):
+        yield f"{stem}-{n}"
+
+
+def _sample_ids(
+    planned: _Planned,
+    plan: Plan,
+    category: str,
+    prompt_id: str | None,
+    digest: str,
+    spp: int,
+    source: str,
+) -> list[str]:
+    """The ids of one prompt's samples, none of them an id the plan already holds.
+
+    The first free key in `_candidate_keys` wins, so an id that collides with nothing is
+    the same as it always was, and the whole plan gets the same ids on every build.
+    """
+    key = prompt_id if prompt_id is not None else digest[:KEY_HEX_CHARS]
+    ids = [f"{category}-{key}-{k}" for k in range(spp)] if spp > 1 else [f"{category}-{key}"]
+    if planned.ids.isdisjoint(ids):  # nearly always: the natural ids, without the search
+        planned.ids.update(ids)
+        return ids
+    clash: tuple[int, str] | None = None  # the first natural id taken, and its place
+    for key in _candidate_keys(prompt_id, digest):
+        ids = [f"{category}-{key}-{k}" for k in range(spp)] if spp > 1 else [f"{category}-{key}"]
+        if planned.ids.isdisjoint(ids):
+            planned.ids.update(ids)
+            if clash is not None:
+                _renamed(planned, plan, clash[1], ids[clash[0]], category, source)
+            return ids
+        clash = clash or next((j, i) for j, i in enumerate(ids) if i in planned.ids)
+    raise AssertionError("unreachable: _candidate_keys never ends")
+
+
+def _renamed(planned: _Planned, plan: Plan, old: str, new: str, category: str, source: str) -> None:
+    planned.renamed += 1
+    if len(planned.shown) < RENAMED_SHOWN:
+        # Rare, and only the first few: a scan beats an index kept for every sample.
+        owner = next(s for s in plan.samples if s.id == old)
+        planned.shown.append(
+            f"{old!r} of category {category} ({source}) is already category "
+            f"{owner.category}'s ({owner.source}): it is now {new!r}"
+        )
+
+
+def _warn_empty(
+    plan: Plan, category: Category, source: str, rows: int, dropped: _Dropped
+) -> None:
+    """A category that plans no sample says why, unless its cap asked for none."""
+    name = category.name
+    if category.cap == 0:
+        return
+    if rows == 0:
+        plan.warnings.append(f"category {name}: source {source} gave no rows")
+        return
+    rejected = sum(dropped.rejected.values())
+    most_first = sorted(dropped.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+    by_code = ", ".join(f"{code} {n}" for code, n in most_first)
+    if rejected == rows:
+        plan.warnings.append(
+            f"category {name}: all {rows} rows of {source} were rejected ({by_code})"
+        )
+        return
+    parts = [
+        f"{rejected} rejected ({by_code})" if rejected else "",
+        f"{dropped.repeated} repeated an earlier row" if dropped.repeated else "",
+        f"{dropped.earlier} duplicated prompts earlier categories planned"
+        if dropped.earlier else "",
+        f"{dropped.capped} capped" if dropped.capped else "",
+        f"{dropped.no_partition} below every partition's min_prompt_tokens"
+        if dropped.no_partition else "",
+    ]
+    plan.warnings.append(
+        f"category {name}: no samples from the {rows} rows of {source}: "
+        + ", ".join(p for p in parts if p)
+    )

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.sample import Message
 
@@ -49,15 +50,20 @@ class TokenCounter:
 
     @classmethod
     def from_path(cls, path: Path, label: str | None = None) -> TokenCounter:
-        """Load a tokenizer.json (or a directory holding one); estimate if that fails."""
+        """Load a tokenizer.json (or a directory holding one). A tokenizer the user named
+        that cannot be loaded is a JobError: counting by estimate instead would route
+        prompts to partitions and reject them by numbers nobody asked for."""
         file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise JobError(f"tokenizer: no tokenizer file {file}")
         try:
             from tokenizers import Tokenizer
 
             tok = Tokenizer.from_file(str(file))
         # tokenizers raises a bare Exception for unreadable or malformed files.
         except Exception as e:
-            return cls.estimate(f"tokenizer {file} could not be loaded ({e}); estimating")
+            detail = " ".join(str(e).split()) or type(e).__name__
+            raise JobError(f"tokenizer: cannot load {file}: {detail}") from None
         return cls(tok, label or f"tokenizer ({file})")
 
     @classmethod

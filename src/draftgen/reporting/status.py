@@ -9,16 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from rich.table import Table
 
+from draftgen.errors import StoreError
 from draftgen.quality.checks import quality_flags
 from draftgen.store.reading import (
     UNVERIFIED,
     current_entries,
     is_running,
     lock_pid,
+    read_manifest,
     seeds_ignored_note,
 )
-from draftgen.store.run_store import REJECTED, read_manifest
+from draftgen.store.run_store import REJECTED
 
 
 @dataclass(slots=True)
@@ -44,6 +47,8 @@ class RunStatus:
     pending: int = 0
     output_tokens: int = 0
     flagged: int = 0
+    # Entries of rejected.jsonl: source rows set aside by the plan (one per row) and, once
+    # a server's context is known, samples whose prompt cannot fit it (one per sample).
     rejected: int = 0
     stale: int = 0
     failures: dict[str, int] = field(default_factory=dict)
@@ -64,6 +69,39 @@ class RunStatus:
         known = self.manifest.get("configurations") or {}
         return [f"  {cid}  {describe_configuration(known.get(cid))}: {n:,} samples"
                 for cid, n in sorted(self.configurations.items(), key=lambda kv: -kv[1])]
+
+    def table(self) -> Table:
+        """Per category and in total: what `draftgen status` shows first."""
+        alive = f"running (pid {self.pid})" if self.running else "not running"
+        t = Table(title=f"{self.out_dir} — {alive}")
+        for c in ("category", "total", "done", "failed", "truncated", "flagged", "pending",
+                  "output tokens"):
+            t.add_column(c, justify="left" if c == "category" else "right")
+        rows: list[tuple[str, CategoryStatus | RunStatus]] = [*self.categories.items(),
+                                                              ("total", self)]
+        for name, row in rows:
+            t.add_row(name, f"{row.total:,}", f"{row.done:,}", f"{row.failed:,}",
+                      f"{row.truncated:,}", f"{row.flagged:,}", f"{row.pending:,}",
+                      f"{row.output_tokens:,}")
+        return t
+
+    def text_lines(self) -> list[str]:
+        """What `draftgen status` prints under its table (plain text, no markup)."""
+        lines = []
+        if self.failures:
+            lines.append("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.items()))
+        if self.flags:
+            lines.append("flags: " + ", ".join(f"{k} {v}" for k, v in self.flags.items()))
+        # Source rows the plan set aside, and samples too long for the server's context
+        # (one entry per sample): what rejected.jsonl holds, counted as it holds them.
+        lines.append(f"rejected (source rows, and samples too long for the server; see "
+                     f"rejected.jsonl): {self.rejected}")
+        if len(self.configurations) > 1 or any(c != UNVERIFIED for c in self.configurations):
+            lines.append("samples per server configuration (regenerate one: run JOB "
+                         "--redo-config ID):")
+            lines += self.configuration_lines()
+        lines += [f"note: {note}" for note in self.notes]
+        return lines + self.live_lines()
 
     def live_lines(self) -> list[str]:
         if not self.live:
@@ -140,4 +178,6 @@ def read_status(out_dir: Path) -> RunStatus:
         st.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines() if line)
     except FileNotFoundError:
         st.rejected = 0
+    except OSError as e:
+        raise StoreError(f"{out_dir / REJECTED}: cannot read: {e.strerror}") from None
     return st

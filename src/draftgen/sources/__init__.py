@@ -62,6 +62,8 @@ def open_source(source: Source, base_dir: Path) -> SampleReader:
                 "set source.format to 'jsonl' or 'parquet'"
             )
         fmt = _EXTENSIONS[suffix]
+    if path.is_dir():
+        raise JobError(f"{name}: is a directory, not a source file ({path})")
     if not path.is_file():
         raise JobError(f"{name}: no such file ({path})")
     if fmt == "parquet":

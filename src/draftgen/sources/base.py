@@ -123,6 +123,12 @@ def _json_type(value: object) -> str:
     return type(value).__name__
 
 
+def _a_json_type(value: object) -> str:
+    """The JSON type of `value` with its article: "an array", "a string"."""
+    name = _json_type(value)
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def normalise_row(data: object, source: Source) -> tuple[Message, ...]:
     """The row's whole conversation as `{role, content}` messages with valid role order."""
     if isinstance(data, Exception):
@@ -136,7 +142,7 @@ def normalise_row(data: object, source: Source) -> tuple[Message, ...]:
     if turns is None:
         raise RowRejection(MISSING_FIELD, f"no {name!r} field")
     if not isinstance(turns, list | tuple):
-        raise RowRejection(WRONG_TYPE, f"{name!r} is a {_json_type(turns)}, expected an array")
+        raise RowRejection(WRONG_TYPE, f"{name!r} is {_a_json_type(turns)}, expected an array")
     if not turns:
         raise RowRejection(EMPTY_PROMPT, f"{name!r} is an empty array")
     messages = tuple(_message(f"{name}[{i}]", t) for i, t in enumerate(turns))
@@ -151,7 +157,7 @@ def _prompt_text(data: dict[str, Any], field: str | None) -> str:
         raise RowRejection(MISSING_FIELD, "no " + " or ".join(repr(n) for n in names) + " field")
     text = data[used]
     if not isinstance(text, str):
-        raise RowRejection(WRONG_TYPE, f"{used!r} is a {_json_type(text)}, expected a string")
+        raise RowRejection(WRONG_TYPE, f"{used!r} is {_a_json_type(text)}, expected a string")
     # Alpaca-style rows keep the material the instruction refers to in a separate `input`.
     extra = data.get("input")
     if used == "instruction" and field is None and isinstance(extra, str) and extra.strip():
@@ -161,7 +167,7 @@ def _prompt_text(data: dict[str, Any], field: str | None) -> str:
 
 def _message(where: str, item: object) -> Message:
     if not isinstance(item, dict):
-        raise RowRejection(WRONG_TYPE, f"{where} is a {_json_type(item)}, expected an object")
+        raise RowRejection(WRONG_TYPE, f"{where} is {_a_json_type(item)}, expected an object")
     if "role" in item:
         role_key, content_key = "role", "content"
     elif "from" in item:
@@ -170,7 +176,7 @@ def _message(where: str, item: object) -> Message:
         raise RowRejection(MISSING_FIELD, f"{where} has no 'role' (or ShareGPT 'from')")
     role = item[role_key]
     if not isinstance(role, str):
-        raise RowRejection(WRONG_TYPE, f"{where}.{role_key} is a {_json_type(role)}")
+        raise RowRejection(WRONG_TYPE, f"{where}.{role_key} is {_a_json_type(role)}")
     if role not in _ROLES:
         raise RowRejection(INVALID_ROLES, f"{where} has unknown role {role!r}")
     if content_key not in item:
@@ -186,12 +192,12 @@ def _content_text(where: str, content: object) -> str:
         return content
     if not isinstance(content, list | tuple):
         raise RowRejection(
-            WRONG_TYPE, f"{where} is a {_json_type(content)}, expected a string or parts"
+            WRONG_TYPE, f"{where} is {_a_json_type(content)}, expected a string or parts"
         )
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict):
-            raise RowRejection(WRONG_TYPE, f"{where}[{j}] is a {_json_type(part)}")
+            raise RowRejection(WRONG_TYPE, f"{where}[{j}] is {_a_json_type(part)}")
         if part.get("type") != "text":
             raise RowRejection(
                 NON_TEXT_CONTENT,
@@ -199,7 +205,7 @@ def _content_text(where: str, content: object) -> str:
             )
         text = part.get("text")
         if not isinstance(text, str):
-            raise RowRejection(WRONG_TYPE, f"{where}[{j}].text is a {_json_type(text)}")
+            raise RowRejection(WRONG_TYPE, f"{where}[{j}].text is {_a_json_type(text)}")
         texts.append(text)
     # vLLM and SGLang join text parts with a newline when they render the template.
     return "\n".join(texts)
@@ -263,7 +269,7 @@ def read_id(data: object, id_field: str | None) -> str | None:
         raise RowRejection(MISSING_FIELD, f"no id field {id_field!r}")
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise RowRejection(
-            WRONG_TYPE, f"id field {id_field!r} is a {_json_type(value)}, expected string or int"
+            WRONG_TYPE, f"id field {id_field!r} is {_a_json_type(value)}, expected string or int"
         )
     text = str(value)
     if not text.strip():

@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Iterator
 from types import ModuleType
 
-from draftgen.errors import JobError
+from draftgen.errors import HostError, JobError
 from draftgen.job import Source
 from draftgen.sources.base import SampleReader, SourceRow
 
@@ -15,7 +15,7 @@ def _import_datasets() -> ModuleType:
     try:
         return importlib.import_module("datasets")
     except ImportError:
-        raise JobError(
+        raise HostError(
             "reading 'hf_dataset' sources needs the datasets library: pip install 'draftgen[hf]'"
         ) from None
 
@@ -35,6 +35,7 @@ class HfReader(SampleReader):
         # datasets raises many unrelated types (FileNotFoundError, ValueError, its own
         # DatasetNotFoundError, HTTP errors); all mean the job cannot read this source.
         except Exception as e:
-            raise JobError(f"hf_dataset {self.name!r}: cannot load: {e}") from None
+            detail = " ".join(str(e).split()) or type(e).__name__
+            raise JobError(f"hf_dataset {self.name!r}: cannot load: {detail}") from None
         for index, row in enumerate(ds):
             yield SourceRow(index, row)

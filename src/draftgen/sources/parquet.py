@@ -21,12 +21,16 @@ class ParquetReader(SampleReader):
         self.path = path
 
     def iter_rows(self) -> Iterator[SourceRow]:
+        index = 0
         try:
             pf = pq.ParquetFile(self.path)
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS):
+                for row in batch.to_pylist():
+                    yield SourceRow(index, row)
+                    index += 1
+        # A file that is not Parquet fails on open; a damaged one (a bad page, a cut-off
+        # column chunk) can fail at any batch: either way the source cannot be read whole.
         except (OSError, pa.ArrowException) as e:
-            raise JobError(f"{self.name}: cannot read Parquet source: {e}") from None
-        index = 0
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS):
-            for row in batch.to_pylist():
-                yield SourceRow(index, row)
-                index += 1
+            detail = " ".join(str(e).split()) or type(e).__name__
+            where = f" after row {index - 1}" if index else ""
+            raise JobError(f"{self.name}: cannot read Parquet source{where}: {detail}") from None

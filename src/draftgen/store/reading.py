@@ -11,7 +11,7 @@ import orjson
 
 from draftgen.errors import StoreError
 from draftgen.store.ledger import LedgerEntry, load_ledger
-from draftgen.store.run_store import LEDGER, LOCK, PLAN
+from draftgen.store.run_store import LEDGER, LOCK, MANIFEST, PLAN
 
 
 def is_running(out_dir: Path) -> bool:
@@ -34,19 +34,75 @@ def lock_pid(out_dir: Path) -> int | None:
         return None
 
 
+def check_run_dir(out_dir: Path, *, planned: bool = False) -> None:
+    """A StoreError unless `out_dir` is a directory (a run directory, or one to become one)
+    and, when `planned`, one a run has written its plan into."""
+    if not out_dir.exists():
+        raise StoreError(f"{out_dir}: no such run directory")
+    if not out_dir.is_dir():
+        raise StoreError(f"{out_dir}: not a directory (give the run directory, the job's "
+                         "output)")
+    if planned and not (out_dir / PLAN).exists():
+        raise StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})")
+
+
 def iter_plan(out_dir: Path) -> list[dict[str, Any]]:
+    """Every plan row; a StoreError naming the file and line for anything that is not one
+    (every reader indexes a row's id, category and fingerprint without looking)."""
+    check_run_dir(out_dir, planned=True)
+    path = out_dir / PLAN
     try:
-        data = (out_dir / PLAN).read_bytes()
+        data = path.read_bytes()
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read: {e.strerror}") from None
+    rows = []
+    for n, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get("id"), str)
+                and isinstance(row.get("category"), str)
+                and isinstance(row.get("fingerprint"), str)):
+            # plan.jsonl is replaced whole, so this is damage from outside, not a kill.
+            raise StoreError(f"{path}: line {n} is not a plan row (torn or corrupt); "
+                             "`draftgen run` on its job rewrites it")
+        rows.append(row)
+    return rows
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any]:
+    """The run's manifest ({} before the first run wrote one); a StoreError if damaged."""
+    path = out_dir / MANIFEST
+    try:
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})") from None
-    return [orjson.loads(line) for line in data.splitlines() if line]
+        return {}
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        manifest = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        manifest = None
+    if not isinstance(manifest, dict):
+        raise StoreError(f"{path}: not a JSON object (torn or corrupt); move it aside and "
+                         "the next `draftgen run` starts a new one (the ledger and shards keep "
+                         "every sample)")
+    return manifest
 
 
 def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, LedgerEntry]]:
     """The plan, and the ledger's latest entry per id (callers compare the fingerprint with
-    the plan's to tell a current record from a stale one)."""
+    the plan's to tell a current record from a stale one). The manifest is checked too, so
+    every reader of a run directory refuses a damaged one before it reads anything else."""
     plan = iter_plan(out_dir)
-    entries = load_ledger(out_dir / LEDGER, repair=False).entries
+    read_manifest(out_dir)
+    try:
+        entries = load_ledger(out_dir / LEDGER, repair=False).entries
+    except OSError as e:
+        raise StoreError(f"{out_dir / LEDGER}: cannot read: {e.strerror}") from None
     return plan, entries
 
 
