@@ -506,3 +506,26 @@ def test_a_resumed_run_starts_from_the_target_the_last_one_ended_with() -> None:
     assert "as the last run ended" in logs[-2]
     second.restore({"b": 99.0})  # out of range: ignored
     assert "b" not in second.targets()
+
+
+def test_a_shared_system_prompt_counts_once_per_server() -> None:
+    """The server's prefix cache holds one copy of a system prompt every request opens
+    with: requests sharing one fit more of them than requests with a prompt each."""
+
+    def with_system(i: int, system: str) -> Sample:
+        msgs = ({"role": "system", "content": system}, {"role": "user", "content": "q" * 100})
+        return Sample(id=f"short-{i}", category="c", partition="short", messages=msgs,
+                      max_tokens=100, prompt_tokens=1100)
+
+    def admitted(shared: bool) -> int:
+        sched = AdaptiveScheduler()
+        server = ServerState("a")
+        sched.on_load(server, load("a", capacity=20_000))
+        learn(sched, [50] * lengths.MIN_SAMPLES)
+        samples = [with_system(i, "s" * 1000 if shared else f"{i:04d}" * 250)
+                   for i in range(200)]
+        return len(Queues(sched, {"short": (150, samples)}).fill([server]))
+
+    # ~1,000 of each prompt's 1,100 tokens are its system prompt.
+    assert admitted(shared=False) <= 20_000 // 1100
+    assert admitted(shared=True) >= 4 * admitted(shared=False)

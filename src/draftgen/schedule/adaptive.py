@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from draftgen.sample import Sample
 from draftgen.schedule.base import Flight, PartitionView, Scheduler
 from draftgen.schedule.pool import ServerState
+from draftgen.schedule.prefixes import SharedPrefixes
 from draftgen.schedule.readings import ServerLoad
 
 FACTOR_MIN = 0.25
@@ -78,6 +79,7 @@ SETTLE = 2
 # server's KV usage reads under FAST_START_KV with no queue and no preemption.
 FAST_START_STEP = 1.25
 FAST_START_KV = 0.80
+FAST_START_RESET = True  # back to ×1.0 once lengths are learned
 STEPS = 16  # look-ahead points over the longest max_tokens
 TAIL_QUANTILE = 0.99  # the length a partition's last answers may run to
 
@@ -115,6 +117,7 @@ class AdaptiveScheduler(Scheduler):
         self._ahead: list[float] = [0.0]
         self._span = 0
         self._candidate: tuple[str, str, list[float]] | None = None  # (sample, url, curve)
+        self._prefixes = SharedPrefixes()
 
     def state(self) -> dict[str, float]:
         """Each server's factor: a resumed run starts where this one ended."""
@@ -144,13 +147,23 @@ class AdaptiveScheduler(Scheduler):
             for c in self._control.values():
                 c.projection = None
 
-    def _curve(self, sample: Sample, written: int, earlier: int, block: int) -> list[float]:
-        """Expected KV tokens held by one request at each look-ahead point."""
+    def _curve(self, sample: Sample, written: int, earlier: int, block: int,
+               skip: int = 0) -> list[float]:
+        """Expected KV tokens held by one request at each look-ahead point, less `skip`
+        tokens of its prompt that the server holds for others too."""
         alive = self.books.lengths.still_running(sample.category, sample.max_tokens, written,
                                                  self._ahead)
-        base = sample.prompt_tokens + earlier + written
+        base = sample.prompt_tokens - skip + earlier + written
         return [-(-(base + h) // block) * block * p if p else 0.0
                 for h, p in zip(self._ahead, alive, strict=True)]
+
+    def _new_curve(self, sample: Sample, url: str, block: int) -> list[float]:
+        """A request about to be sent: its shared system prompt counts only if the server
+        holds it for no request in flight."""
+        _, shared = self._prefixes.of(sample)
+        extra = shared - self._prefixes.held(url, sample)
+        return [x + extra if x else 0.0
+                for x in self._curve(sample, 0, 0, block, skip=shared)]
 
     def _projection(self, url: str) -> list[float]:
         c = self.control(url)
@@ -161,12 +174,16 @@ class AdaptiveScheduler(Scheduler):
                 written.setdefault(f.sample.category, []).append(f.earlier + f.written)
             self.books.lengths.running(written)
             total = [0.0] * len(self._ahead)
+            shared: dict[str, int] = {}  # held once, whatever number of requests share it
             for f in self.books.flights.values():
                 if f.url == url:
+                    key, n = self._prefixes.of(f.sample)
+                    shared[key] = n
                     for i, x in enumerate(self._curve(f.sample, f.written, f.earlier,
-                                                      c.block)):
+                                                      c.block, skip=n)):
                         total[i] += x
-            c.projection = total
+            once = sum(shared.values())
+            c.projection = [x + once for x in total]
         return c.projection
 
     # --- bookkeeping ----------------------------------------------------------------
@@ -178,13 +195,15 @@ class AdaptiveScheduler(Scheduler):
         if c.projection is not None:
             cand = self._candidate
             curve = (cand[2] if cand is not None and cand[:2] == (sample.id, server.url)
-                     else self._curve(sample, 0, 0, c.block))
+                     else self._new_curve(sample, server.url, c.block))
             c.projection = [a + b for a, b in zip(c.projection, curve, strict=True)]
+        self._prefixes.add(server.url, sample)
         self._candidate = None
         return flight
 
     def ended(self, sample: Sample, server: ServerState, output_tokens: int | None) -> None:
         super().ended(sample, server, output_tokens)
+        self._prefixes.remove(server.url, sample)
         if output_tokens is not None:
             self.control(server.url).finished += 1
         # Fewer requests, and the lengths learned have changed: recompute on the next pick.
@@ -217,6 +236,13 @@ class AdaptiveScheduler(Scheduler):
         c.waiting, c.kv_usage, c.running = load.waiting, load.kv_usage, load.running
         if c.capacity is None:
             return
+        if c.fast and self.books.lengths.learned:
+            # The fast start corrected a prior that expected every answer to run to
+            # max_tokens; the lengths learned now replace it, and so the correction goes.
+            c.fast = False
+            if FAST_START_RESET and c.factor > 1.0:
+                self._set(server.url, c, 1.0, "lengths learned: the fast start's margin "
+                                              "is no longer needed")
         target = c.capacity * c.factor
         at_target = max(self._projection(server.url)) >= 0.9 * target
         c.calm += 1
@@ -232,7 +258,7 @@ class AdaptiveScheduler(Scheduler):
                       f"server queue growing: {load.waiting} waiting")
             c.calm = 0
             c.fast = False
-        elif (c.fast and at_target and not self.books.lengths.learned
+        elif (c.fast and at_target
               and (load.waiting or 0) <= QUEUE_OK and not new_preempt
               and load.kv_usage is not None and load.kv_usage < FAST_START_KV):
             # Before any length is learned the projection expects every answer to run to
@@ -333,7 +359,7 @@ class AdaptiveScheduler(Scheduler):
         c = self.control(server.url)
         if c.target is None or not server.in_flight:
             return part.name, server
-        curve = self._curve(head, 0, 0, c.block)
+        curve = self._new_curve(head, server.url, c.block)
         peak = max(a + b for a, b in zip(self._projection(server.url), curve, strict=True))
         if peak <= c.target:
             self._candidate = (head.id, server.url, curve)

@@ -1,4 +1,4 @@
-"""The command line: parse, load the job, call one library function, print."""
+"""Commands on a job and its run directory: plan, run, stop, status, export, report."""
 
 from __future__ import annotations
 
@@ -9,61 +9,21 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
-import orjson
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from draftgen.cli_errors import OneLineErrors, fail
+from draftgen.cli.app import (
+    app,
+    check_run_dir,
+    check_url_option,
+    interrupt,
+    load,
+    out,
+    print_json,
+)
+from draftgen.cli.errors import fail
 from draftgen.errors import DraftgenError, HostError, JobError, StoreError, path_error
-from draftgen.job import JobSpec, load_job, read_api_key, url_problem
-
-# Off a terminal (a log, a pipe) rich assumes 80 columns, which squeezes the tables.
-_out = Console(width=None if sys.stdout.isatty() else 120)
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, cls=OneLineErrors,
-                  help="Generate training datasets from self-hosted LLM servers.")
-engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
-app.add_typer(engine_app, name="engine")
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _load(job_file: Path) -> JobSpec:
-    try:
-        return load_job(job_file)
-    except JobError as e:
-        raise fail(e) from None
-
-
-def _check_url(url: str, where: str) -> None:
-    """A server URL is checked before anything connects (or a plan is built)."""
-    from draftgen.servers.attach import check_url
-
-    try:
-        check_url(url, where)
-    except JobError as e:
-        raise fail(e) from None
-    if (problem := url_problem(url)) is not None:
-        raise fail(JobError(f"{where}: {problem}"))
-
-
-def _run_dir(out_dir: Path, *, planned: bool = True) -> None:
-    """`out_dir` names a run directory (with `planned`, one a run has planned): readable as
-    one, or the command stops here, before any work."""
-    from draftgen.store.reading import check_run_dir, read_manifest
-
-    try:
-        check_run_dir(out_dir, planned=planned)
-        read_manifest(out_dir)
-    except StoreError as e:
-        raise fail(e) from None
-
-
-def _json(obj: object) -> None:
-    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n")
+from draftgen.job import read_api_key
 
 
 @app.command()
@@ -91,7 +51,7 @@ def plan(
     from draftgen.planning.forecast import parse_duration
     from draftgen.planning.plan import build_plan
 
-    job = _load(job_file)
+    job = load(job_file)
     # Every option is checked before the plan reads a single source row.
     what_if = (budget, priority, kv_tokens, servers, write_job)
     if server is None and from_run is None and any(o is not None for o in what_if):
@@ -101,13 +61,13 @@ def plan(
         raise fail(JobError("--write-job needs --budget"))
     api_key = None
     if server is not None:
-        _check_url(server, "--server")
+        check_url_option(server, "--server")
         try:
             api_key = read_api_key(job)
         except JobError as e:
             raise fail(e) from None
     if from_run is not None:
-        _run_dir(from_run)
+        check_run_dir(from_run)
     names = {c.name for c in job.categories}
     order = [c.strip() for c in (priority or "").split(",") if c.strip()]
     if unknown := [c for c in order if c not in names]:
@@ -122,9 +82,10 @@ def plan(
         raise fail(e) from None
     rows = p.summary_rows()
     if as_json:
-        _json({"rows": rows, "totals": p.totals(), "token_count": p.token_count_label,
+        print_json({"rows": rows, "totals": p.totals(), "token_count": p.token_count_label,
                "rejected": [{"category": r.category, "source": r.source, "row": r.row,
-                             "reason": r.reason} for r in p.rejected]})
+                             "reason": r.reason} for r in p.rejected],
+               "warnings": p.warnings})
     else:
         t = Table(title=f"plan for {job_file} (prompt tokens: {p.token_count_label})")
         cols = ["category", "partition", "prompts", "samples", "rejected", "duplicates",
@@ -134,7 +95,9 @@ def plan(
         for r in [*rows, p.totals()]:
             t.add_row(*(f"{r[c]:,}" if isinstance(r[c], int) else str(r[c]) for c in cols),
                       style="bold" if r["category"] == "total" else None)
-        _out.print(t)
+        out.print(t)
+    for warning in p.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     if server is None and from_run is None:
         return
     from draftgen.planning.forecast import forecast, measure
@@ -183,12 +146,12 @@ def run(
     """Generate every pending sample of the job; safe to run again to resume."""
     from draftgen.running.runner import RunOptions, run_job
 
-    job = _load(job_file)
+    job = load(job_file)
     out_dir = out or job.resolve(job.output)
     for url in server or ():
-        _check_url(url, "--server")
+        check_url_option(url, "--server")
     if out_dir.exists():  # a file, or a run directory whose manifest is damaged, stops here
-        _run_dir(out_dir, planned=False)
+        check_run_dir(out_dir, planned=False)
     # A read-only place for the run directory is the machine's problem: exit 1, before a plan.
     nearest = next(d for d in (out_dir, *out_dir.absolute().parents) if d.exists())
     if nearest.is_dir() and not os.access(nearest, os.W_OK | os.X_OK):
@@ -213,7 +176,7 @@ def run(
         return
     # Outside the dispatch phase (which stops gracefully), SIGTERM interrupts like Ctrl+C so
     # that a server launched for the run is stopped with it.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     if os.environ.get("DRAFTGEN_DETACHED"):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started it
     opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
@@ -238,7 +201,7 @@ def stop(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     from draftgen.running.detach import stop_run
     from draftgen.store.run_store import LOCK, PLAN
 
-    _run_dir(out_dir, planned=False)
+    check_run_dir(out_dir, planned=False)
     # A run that is starting has its lock before its plan; a folder with neither is no run's.
     if not (out_dir / LOCK).exists() and not (out_dir / PLAN).exists():
         raise fail(StoreError(f"{out_dir}: not a draftgen run directory (no {PLAN})"))
@@ -260,11 +223,11 @@ def status(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     except StoreError as e:
         raise fail(e) from None
     if as_json:
-        _json(st.as_json())
+        print_json(st.as_json())
         return
-    _out.print(st.table())
+    out.print(st.table())
     for line in st.text_lines():
-        _out.print(line, markup=False)
+        out.print(line, markup=False)
 
 
 @app.command()
@@ -309,7 +272,7 @@ def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
     """Write the dataset card (OUT/DATASET_CARD.md) and, with --plots, PNG plots."""
     from draftgen.reporting.card import write_card
 
-    _run_dir(out_dir)
+    check_run_dir(out_dir)
     try:
         print(write_card(out_dir, max_length=max_length))
         if plots:
@@ -319,82 +282,3 @@ def report(out_dir: Annotated[Path, typer.Argument(help="run directory")],
                 print(p)
     except DraftgenError as e:
         raise fail(e) from None
-
-
-@app.command()
-def serve(
-    profile: Annotated[Path | None, typer.Argument(help="server profile YAML")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the argv only")] = False,
-    stop: Annotated[bool, typer.Option("--stop", help="stop the profile's server")] = False,
-    restart: Annotated[bool, typer.Option(
-        "--restart", help="stop, start, verify, show what changed")] = False,
-    timeout: Annotated[float, typer.Option(min=0, help="seconds to wait for the server")
-                       ] = 1800.0,
-) -> None:
-    """Launch a server from a profile, wait for a real generation, verify it, summarise."""
-    from draftgen.servers import check_profile, load_profile
-    from draftgen.servers import serve as serve_profile
-
-    # Bad input stops here with one `error:` line; what is left for `serve` to report
-    # concerns the server itself.
-    if sum((dry_run, stop, restart)) > 1:
-        raise fail(JobError("give at most one of --dry-run, --stop, --restart"))
-    if profile is None and not stop:
-        raise fail(JobError("give a server profile (YAML); see examples/profiles/"))
-    if profile is not None and not (stop and profile.is_dir()):
-        try:
-            loaded = load_profile(profile)
-            if not stop:
-                check_profile(loaded)
-        except DraftgenError as e:
-            raise fail(e) from None
-    raise typer.Exit(serve_profile(profile, dry_run, stop, restart, timeout))
-
-
-@app.command()
-def probe(
-    reference: Annotated[str, typer.Option(help="reference server URL (e.g. bf16 KV)")],
-    candidate: Annotated[str, typer.Option(help="candidate server URL (e.g. fp8 KV)")],
-    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts (default: demo)")] = None,
-    n: Annotated[int, typer.Option("-n", min=1, help="prompts to probe")] = 200,
-    max_tokens: Annotated[int, typer.Option(min=1, help="greedy tokens per prompt")] = 64,
-    top_k: Annotated[int, typer.Option(min=1, help="top-k log-probabilities compared")] = 10,
-    model: Annotated[str | None, typer.Option(help="served model name")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
-) -> None:
-    """Measure how far a candidate server drifts from a reference on the same model."""
-    from draftgen.probe import probe_command
-    from draftgen.probe.command import load_prompts
-
-    _check_url(reference, "--reference")
-    _check_url(candidate, "--candidate")
-    if json_out is not None and json_out.is_dir():
-        raise fail(JobError(f"--json: {json_out} is a directory; give the file to write"))
-    if prompts is not None:
-        try:
-            load_prompts(prompts)
-        except DraftgenError as e:
-            raise fail(e) from None
-    raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
-                                   json_out, model=model))
-
-
-@engine_app.command("build-model")
-def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
-    """Build the tiny deterministic test model (no downloads)."""
-    from draftgen.engine.tinymodel import STAMP_NAME, build_tiny_model
-
-    # The build replaces what is at OUT_DIR: only ever an earlier build, never a user's files.
-    if out_dir.exists() and not out_dir.is_dir():
-        raise fail(JobError(f"{out_dir}: is a file; give a directory for the model"))
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / STAMP_NAME).exists():
-        raise fail(JobError(f"{out_dir}: not empty and not a model draftgen built; give a new "
-                            "or empty directory"))
-    try:
-        print(build_tiny_model(out_dir))
-    except OSError as e:
-        raise fail(path_error(f"{out_dir}: cannot build the model", e)) from None
-
-
-def main() -> None:
-    app()

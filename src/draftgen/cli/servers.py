@@ -1,0 +1,91 @@
+"""Commands on servers: serve a profile, probe two servers, build the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from draftgen.cli.app import (
+    app,
+    check_url_option,
+    engine_app,
+)
+from draftgen.cli.errors import fail
+from draftgen.errors import DraftgenError, JobError, path_error
+
+
+@app.command()
+def serve(
+    profile: Annotated[Path | None, typer.Argument(help="server profile YAML")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the argv only")] = False,
+    stop: Annotated[bool, typer.Option("--stop", help="stop the profile's server")] = False,
+    restart: Annotated[bool, typer.Option(
+        "--restart", help="stop, start, verify, show what changed")] = False,
+    timeout: Annotated[float, typer.Option(min=0, help="seconds to wait for the server")
+                       ] = 1800.0,
+) -> None:
+    """Launch a server from a profile, wait for a real generation, verify it, summarise."""
+    from draftgen.servers import check_profile, load_profile
+    from draftgen.servers import serve as serve_profile
+
+    # Bad input stops here with one `error:` line; what is left for `serve` to report
+    # concerns the server itself.
+    if sum((dry_run, stop, restart)) > 1:
+        raise fail(JobError("give at most one of --dry-run, --stop, --restart"))
+    if profile is None and not stop:
+        raise fail(JobError("give a server profile (YAML); see examples/profiles/"))
+    if profile is not None and not (stop and profile.is_dir()):
+        try:
+            loaded = load_profile(profile)
+            if not stop:
+                check_profile(loaded)
+        except DraftgenError as e:
+            raise fail(e) from None
+    raise typer.Exit(serve_profile(profile, dry_run, stop, restart, timeout))
+
+
+@app.command()
+def probe(
+    reference: Annotated[str, typer.Option(help="reference server URL (e.g. bf16 KV)")],
+    candidate: Annotated[str, typer.Option(help="candidate server URL (e.g. fp8 KV)")],
+    prompts: Annotated[Path | None, typer.Option(help="JSONL prompts (default: demo)")] = None,
+    n: Annotated[int, typer.Option("-n", min=1, help="prompts to probe")] = 200,
+    max_tokens: Annotated[int, typer.Option(min=1, help="greedy tokens per prompt")] = 64,
+    top_k: Annotated[int, typer.Option(min=1, help="top-k log-probabilities compared")] = 10,
+    model: Annotated[str | None, typer.Option(help="served model name")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+) -> None:
+    """Measure how far a candidate server drifts from a reference on the same model."""
+    from draftgen.probe import probe_command
+    from draftgen.probe.command import load_prompts
+
+    check_url_option(reference, "--reference")
+    check_url_option(candidate, "--candidate")
+    if json_out is not None and json_out.is_dir():
+        raise fail(JobError(f"--json: {json_out} is a directory; give the file to write"))
+    if prompts is not None:
+        try:
+            load_prompts(prompts)
+        except DraftgenError as e:
+            raise fail(e) from None
+    raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
+                                   json_out, model=model))
+
+
+@engine_app.command("build-model")
+def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
+    """Build the tiny deterministic test model (no downloads)."""
+    from draftgen.engine.tinymodel import STAMP_NAME, build_tiny_model
+
+    # The build replaces what is at OUT_DIR: only ever an earlier build, never a user's files.
+    if out_dir.exists() and not out_dir.is_dir():
+        raise fail(JobError(f"{out_dir}: is a file; give a directory for the model"))
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / STAMP_NAME).exists():
+        raise fail(JobError(f"{out_dir}: not empty and not a model draftgen built; give a new "
+                            "or empty directory"))
+    try:
+        print(build_tiny_model(out_dir))
+    except OSError as e:
+        raise fail(path_error(f"{out_dir}: cannot build the model", e)) from None
