@@ -296,3 +296,44 @@ async def test_a_server_behind_an_api_key_is_verified_and_polled_with_it(
     [server] = manifest["runs"][-1]["servers"]
     assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
     assert key.encode() not in (tmp_path / "out" / "manifest.json").read_bytes()
+
+
+async def test_a_server_down_at_its_first_check_is_not_back_with_other_settings(
+    tmp_path: Path,
+) -> None:
+    """Unreachable when first checked, then answering: that is its first configuration, not
+    a change — and the record names it."""
+    from aiohttp import web
+    from sglang_standin import make_app
+
+    from draftgen.servers.attach import AttachedServers
+    from draftgen.servers.process import find_free_port
+
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    servers = AttachedServers(load_job(make_job(tmp_path, rows(1))), [url], tmp_path,
+                              log=lambda _m: None)
+    first = await servers.verify(url)
+    assert first is not None and first["verified"] is False
+    runner = web.AppRunner(make_app(StandinConfig(version="0.5.23")))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        second = await servers.verify(url)
+    finally:
+        await runner.cleanup()
+    assert second is not None and second["verified"] is True
+    assert second["changed_mid_run"] is False
+    assert servers.configuration_of(url) in servers.configurations
+
+
+def test_the_progress_shows_servers_as_they_are_now_not_at_the_last_poll() -> None:
+    from draftgen.clock import REAL_CLOCK
+    from draftgen.running.stats import RunStats, ServerSnapshot
+
+    stats = RunStats(REAL_CLOCK)
+    live = {"in_flight": 29}
+    stats.server_view = lambda: (ServerSnapshot("http://a", True, live["in_flight"]),)
+    assert stats.snapshot().servers[0].in_flight == 29
+    live["in_flight"] = 0  # the run ended: the last line must not say 29 in flight
+    assert stats.snapshot().servers[0].in_flight == 0
