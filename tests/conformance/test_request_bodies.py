@@ -14,6 +14,7 @@ of fields each drops is pinned: a new silent drop fails here.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -71,15 +72,21 @@ async def capture_server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
         await response.write_eof()
         return response
 
+    async with serving("/v1/chat/completions", chat) as url:
+        yield url, seen
+
+
+@asynccontextmanager
+async def serving(path: str, handler: Any) -> AsyncIterator[str]:
+    """POST `path` answered by `handler` on 127.0.0.1; the base URL."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     host, port = runner.addresses[0][:2]
     try:
-        yield f"http://{host}:{port}", seen
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
 
@@ -167,18 +174,8 @@ async def tokenize_bodies(refuse_messages: bool) -> tuple[int | None, list[dict[
             return web.Response(status=422, body=b'{"detail": "prompt: field required"}')
         return web.json_response({"tokens": [1] * 20, "count": 20, "max_model_len": 4096})
 
-    app = web.Application()
-    app.router.add_post("/tokenize", tokenize)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        async with ChatClient() as client:
-            n = await prompt_tokens(client, f"http://{host}:{port}", MODEL, SAMPLE.messages)
-    finally:
-        await runner.cleanup()
+    async with serving("/tokenize", tokenize) as url, ChatClient() as client:
+        n = await prompt_tokens(client, url, MODEL, SAMPLE.messages)
     return n, seen
 
 
