@@ -1,7 +1,11 @@
-"""Commands on servers: serve a profile, probe two servers, build the tiny model."""
+"""Commands on servers: serve a profile, probe two servers, tune a profile for a job, build
+the tiny model."""
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -9,8 +13,11 @@ import typer
 
 from draftgen.cli.app import (
     app,
+    check_run_dir,
     check_url_option,
     engine_app,
+    interrupt,
+    load,
 )
 from draftgen.cli.errors import fail
 from draftgen.errors import DraftgenError, JobError, path_error
@@ -72,6 +79,53 @@ def probe(
             raise fail(e) from None
     raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
                                    json_out, model=model))
+
+
+@app.command()
+def tune(
+    profile: Annotated[Path, typer.Argument(help="server profile YAML: the reference")],
+    job_file: Annotated[Path, typer.Option("--job", help="the job to tune for")],
+    budget: Annotated[str, typer.Option(help="time to spend (30m, 2h, 1h30m)")] = "30m",
+    write: Annotated[Path | None, typer.Option(
+        help="write the fastest passing configuration here as a profile (default: "
+             "TUNE_DIR/best.yaml)")] = None,
+    tune_dir: Annotated[Path | None, typer.Option(
+        help="where trials are recorded, resumable (default: next to the job's output)")
+    ] = None,
+    lengths_from: Annotated[Path | None, typer.Option(
+        help="a run directory of this job whose answer lengths feed the predictions")
+    ] = None,
+) -> None:
+    """Find the fastest server configuration that passes the probe, for this job: launch,
+    verify, measure and probe each candidate within the budget; write the best as a profile."""
+    from draftgen.planning.forecast import parse_duration
+    from draftgen.servers import load_profile
+    from draftgen.tune import TuneOptions, format_table
+    from draftgen.tune import tune as run_tune
+
+    job = load(job_file)
+    try:
+        load_profile(profile)
+        budget_s = parse_duration(budget)
+        if budget_s <= 0:
+            raise JobError(f"--budget: {budget!r} is no time at all")
+    except DraftgenError as e:
+        raise fail(e) from None
+    if write is not None and write.is_dir():
+        raise fail(JobError(f"--write: {write} is a directory; give the profile file to write"))
+    if lengths_from is not None:
+        check_run_dir(lengths_from)
+    signal.signal(signal.SIGTERM, interrupt)  # the candidate server is stopped with it
+    opts = TuneOptions(budget_s=budget_s, tune_dir=tune_dir, write=write,
+                       lengths_from=lengths_from,
+                       on_event=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        result = asyncio.run(run_tune(profile, job, opts))
+    except DraftgenError as e:
+        raise fail(e) from None
+    print(format_table(result))
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 @engine_app.command("build-model")

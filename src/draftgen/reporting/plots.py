@@ -37,7 +37,8 @@ class PlotError(DraftgenError):
     """Plots cannot be drawn (matplotlib missing, or nothing to draw)."""
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend; PlotError when matplotlib is missing."""
     try:
         import matplotlib
     except ImportError:
@@ -78,7 +79,7 @@ def draw_plots(out_dir: str | Path, to_dir: str | Path) -> list[Path]:
     series = read_series(out / SERIES)
     if not done and not series:
         raise PlotError(f"{out}: no done samples and no {SERIES}: nothing to plot")
-    plt = _pyplot()
+    plt = pyplot()
     dest.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     try:
@@ -235,4 +236,4 @@ def _sum_servers(row: Mapping[str, Any], key: str) -> float:
     return sum(nums) if nums else math.nan
 
 
-__all__ = ["PlotError", "draw_plots", "read_series"]
+__all__ = ["PlotError", "draw_plots", "pyplot", "read_series"]

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from draftgen.servers.dtypes import canonical_kv_dtype
+from draftgen.servers.tuning import TuneSpace
 from draftgen.yamlfile import load_model
 
 EngineName = Literal["sglang", "vllm"]
@@ -113,6 +114,8 @@ class ServerProfile(_Strict):
     quality: Quality = Field(default_factory=Quality)
     # Where pid, log and state files go; default ~/.cache/draftgen/servers.
     state_dir: str | None = None
+    # What `draftgen tune` may try (servers/tuning.py); not a server setting.
+    tune: TuneSpace | None = None
 
     @field_validator("kv_cache_dtype", "model_dtype")
     @classmethod
@@ -205,9 +208,10 @@ def default_state_dir() -> Path:
 def profile_hash(profile: ServerProfile) -> str:
     """A stable hash of what the server runs with: same hash, same server settings.
 
-    Bookkeeping (state_dir, name) is left out: moving the state files changes no token.
+    Bookkeeping (state_dir, name) and the `tune` section are left out: moving the state
+    files, or listing what a tune may try, changes no token.
     """
-    data = profile.model_dump(mode="json", exclude={"state_dir", "name"})
+    data = profile.model_dump(mode="json", exclude={"state_dir", "name", "tune"})
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -236,6 +240,12 @@ def resolve_paths(profile: ServerProfile, base_dir: Path) -> ServerProfile:
         update["state_dir"] = _resolve_path(
             profile.state_dir, base_dir, must_exist_unless_explicit=False
         )
+    spec = profile.tune.speculative if profile.tune else None
+    if profile.tune and spec and spec.draft_model:
+        # Like model_path: a folder next to the profile, or a hub id left as it is.
+        draft = _resolve_path(spec.draft_model, base_dir, must_exist_unless_explicit=True)
+        update["tune"] = profile.tune.model_copy(
+            update={"speculative": spec.model_copy(update={"draft_model": draft})})
     resolved = profile.model_copy(update=update)
     resolved._source_file = profile._source_file
     return resolved

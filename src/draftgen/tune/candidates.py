@@ -1,0 +1,221 @@
+"""Which server configurations a tune tries: the grid per engine, from a profile and a job.
+
+A candidate is the reference profile with a few levers changed (`Levers`). The default grid
+changes one lever at a time, a value or two per lever, in the order the levers usually pay
+(KV memory, the running-request limit, speculative decoding, DP attention, prefill chunk,
+HiCache) so a budget that runs out has measured the likely winners:
+
+    lever                 default values (r: the reference's setting)
+    mem_fraction          r + 0.02, r + 0.04 (at most 0.95; GPU engines)
+    cpu_kv_gib            2 × r, where the host has the RAM (vLLM's CPU build)
+    max_running_requests  the job's concurrency when r is below it, else 2 × r
+    speculative           on, where the profile's tune section names a draft
+    dp_attention          on, for an MLA model on SGLang with tp >= 2 (where the release has it)
+    chunked_prefill       2 × r (r unset: SGLang 8192, vLLM 8192 on GPUs, 2048 on CPU)
+    hicache_gb_per_rank   off when on; else the largest size up to 64 GB the host RAM allows
+    kv_cache_dtype        fp8 — only where the profile's quality override allows a lossy cache
+
+Prefix caching and the compute dtype are tried when the profile's `tune:` section lists
+them; a lever listed there replaces its default values, `[]` drops it, and
+`tune.candidates` replaces the grid. After the first round, `combined` takes the best value
+of every lever that beat the reference and tries them together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from draftgen.servers.install import EngineInstall
+from draftgen.servers.preflight import GB, HICACHE_RESERVE_BYTES, gpu_ranks
+from draftgen.servers.profile import ServerProfile
+from draftgen.servers.tuning import Levers, TuneSpace
+from draftgen.tune.levers import CHUNK_FLAG, CPU_KV_ENV, flag_value, speculative_on
+
+REFERENCE = "reference"
+COMBINED = "combined"
+MAX_MEM_FRACTION = 0.95
+HICACHE_DEFAULT_GB = 64
+_GIB = 1024**3
+# Lever order of the grid: the ones that usually pay first.
+LEVER_ORDER = (
+    "mem_fraction", "cpu_kv_gib", "max_running_requests", "speculative", "dp_attention",
+    "chunked_prefill", "hicache_gb_per_rank", "prefix_cache", "model_dtype", "kv_cache_dtype",
+)  # fmt: skip
+_LOSSY_DEFAULT = {"sglang": "fp8_e4m3", "vllm": "fp8"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: str
+    levers: Levers
+    origin: str = "grid"  # reference, grid, listed (tune.candidates), combined
+
+    @property
+    def is_reference(self) -> bool:
+        return self.id == REFERENCE
+
+    @property
+    def label(self) -> str:
+        changes = self.levers.changes()
+        if not changes:
+            return REFERENCE
+        return ", ".join(f"{k}={_show(v)}" for k, v in changes.items())
+
+
+def _show(v: object) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def candidate_for(levers: Levers, origin: str = "grid") -> Candidate:
+    changes = levers.changes()
+    if not changes:
+        return Candidate(REFERENCE, levers, REFERENCE)
+    text = json.dumps(changes, sort_keys=True, separators=(",", ":"))
+    return Candidate(hashlib.sha256(text.encode()).hexdigest()[:8], levers, origin)
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the grid needs to know of the machine and the installed engine."""
+
+    available_bytes: int | None = None
+    install: EngineInstall | None = None
+    # Whether the model uses multi-head latent attention (DeepSeek-V3, Kimi-K2); None: unknown.
+    mla: bool | None = None
+
+
+def is_mla_model(model_path: str) -> bool | None:
+    """From the checkpoint's config.json (`kv_lora_rank`), where the folder is readable."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config")
+    inner = text if isinstance(text, dict) else {}
+    return "kv_lora_rank" in config or "kv_lora_rank" in inner
+
+
+def is_cpu_build(profile: ServerProfile) -> bool:
+    return profile.engine == "vllm" and CPU_KV_ENV in profile.env
+
+
+def default_values(profile: ServerProfile, job_concurrency: int,
+                   host: HostFacts) -> dict[str, list[Any]]:
+    """The default grid's values per lever (see the module docstring)."""
+    engine = profile.engine
+    values: dict[str, list[Any]] = {}
+    if not is_cpu_build(profile):
+        base = profile.mem_fraction or (0.86 if engine == "sglang" else 0.9)
+        values["mem_fraction"] = [v for v in (round(base + 0.02, 2), round(base + 0.04, 2))
+                                  if base < v <= MAX_MEM_FRACTION]
+    else:
+        gib = _int(profile.env.get(CPU_KV_ENV)) or 4
+        room = host.available_bytes
+        values["cpu_kv_gib"] = [2 * gib] if room is None or 2 * gib * _GIB < room // 2 else []
+    limit = profile.max_running_requests
+    if limit is not None:
+        values["max_running_requests"] = [job_concurrency if limit < job_concurrency
+                                          else 2 * limit]
+    spec = profile.tune.speculative if profile.tune else None
+    values["speculative"] = [True] if spec is not None and not speculative_on(profile) else []
+    if engine == "sglang" and not profile.dp_attention and profile.tp >= 2 and host.mla:
+        known = host.install.flags if host.install is not None else None
+        has = known is None or bool({"--attn-dp-size", "--enable-dp-attention"} & known)
+        values["dp_attention"] = [True] if has else []
+    chunk = _int(flag_value(profile.extra_args, CHUNK_FLAG[engine]))
+    values["chunked_prefill"] = [2 * (chunk or (2048 if is_cpu_build(profile) else 8192))]
+    if engine == "sglang":
+        values["hicache_gb_per_rank"] = _hicache_values(profile, host.available_bytes)
+    if profile.quality.allow_lossy_kv_cache:
+        values["kv_cache_dtype"] = [_LOSSY_DEFAULT[engine]]
+    return values
+
+
+def _hicache_values(profile: ServerProfile, available: int | None) -> list[int]:
+    if profile.hierarchical_cache.enabled:
+        return [0]
+    if available is None:
+        return []
+    largest = (available - HICACHE_RESERVE_BYTES) // gpu_ranks(profile) // GB
+    return [int(min(HICACHE_DEFAULT_GB, largest))] if largest >= 1 else []
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _current(profile: ServerProfile, lever: str) -> Any:
+    """The reference's own value of a lever, where it is a plain field."""
+    return {
+        "mem_fraction": profile.mem_fraction,
+        "max_running_requests": profile.max_running_requests,
+        "kv_cache_dtype": profile.kv_cache_dtype,
+        "model_dtype": profile.model_dtype,
+        "dp_attention": profile.dp_attention,
+        "cpu_kv_gib": _int(profile.env.get(CPU_KV_ENV)),
+        "chunked_prefill": _int(flag_value(profile.extra_args, CHUNK_FLAG[profile.engine])),
+        "hicache_gb_per_rank": (profile.hierarchical_cache.host_gb_per_rank
+                                if profile.hierarchical_cache.enabled else 0),
+        "speculative": speculative_on(profile),
+    }.get(lever)
+
+
+def build_grid(profile: ServerProfile, job_concurrency: int, host: HostFacts) -> list[Candidate]:
+    """The reference first, then one candidate per lever value (or the listed candidates)."""
+    space = profile.tune or TuneSpace()
+    out = [candidate_for(Levers())]
+    if space.candidates is not None:
+        listed = [candidate_for(lv, "listed") for lv in space.candidates]
+        return _unique(out + listed)
+    defaults = default_values(profile, job_concurrency, host)
+    for lever in LEVER_ORDER:
+        # `tune.speculative` names the draft; the lever's values are the default's ([true]).
+        chosen = None if lever == "speculative" else getattr(space, lever)
+        for value in defaults.get(lever, []) if chosen is None else chosen:
+            if value == _current(profile, lever):
+                continue
+            out.append(candidate_for(Levers.model_validate({lever: value})))
+    return _unique(out)
+
+
+def _unique(cands: Sequence[Candidate]) -> list[Candidate]:
+    seen: set[str] = set()
+    out = []
+    for c in cands:
+        if c.id not in seen:
+            seen.add(c.id)
+            out.append(c)
+    return out
+
+
+def combine(candidates: Sequence[Candidate], better: Callable[[Candidate], float | None]
+            ) -> Candidate | None:
+    """The best value of every lever whose single-lever candidate beat the reference, together.
+
+    `better(c)` is c's gain over the reference (predicted duration ratio below 1, say 0.9),
+    or None where c failed, lost, or was not measured. None when fewer than two levers helped.
+    """
+    best: dict[str, tuple[float, Any]] = {}
+    for c in candidates:
+        changes = c.levers.changes()
+        if len(changes) != 1 or c.is_reference:
+            continue
+        ratio = better(c)
+        (lever, value), = changes.items()
+        if ratio is not None and (lever not in best or ratio < best[lever][0]):
+            best[lever] = (ratio, value)
+    if len(best) < 2:
+        return None
+    merged = Levers.model_validate({k: v for k, (_, v) in best.items()})
+    return candidate_for(merged, COMBINED)

@@ -1,0 +1,208 @@
+"""What a tune found: a row per candidate, the best profile written, speed against drift.
+
+Each row shows a candidate at the longest measurement it got: what the server reported
+(KV tokens, headroom), what the job's requests got (tok/s), the job's predicted duration
+and its ratio to the reference measured alongside, the probe (KL, top-1, verdict) and, for
+a candidate that is out, why. The best configuration is written as a profile `run` can
+launch (`servers: [{launch: best.yaml}]`); where no candidate beat the reference, that is
+the reference's own settings, and the table says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from draftgen.clock import format_duration
+from draftgen.probe.drift import ProbeThresholds
+from draftgen.reporting.plots import pyplot
+from draftgen.servers.profile import ServerProfile
+from draftgen.store.atomic import write_atomic
+from draftgen.tune.candidates import REFERENCE, Candidate
+from draftgen.tune.store import Trial
+
+
+@dataclass(frozen=True)
+class Row:
+    candidate: str
+    label: str
+    origin: str
+    status: str  # measured, rejected, failed, refused, or "not measured"
+    rung: int | None = None
+    kv_tokens: int | None = None
+    headroom_gib: float | None = None
+    tok_s: float | None = None  # at its longest measurement
+    first_tok_s: float | None = None  # at the first rung, alike for every candidate
+    predicted_s: float | None = None
+    ratio: float | None = None  # predicted duration / the reference's, measured alongside
+    probe_kl: float | None = None
+    probe_top1: float | None = None
+    verdict: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    tune_dir: Path
+    rows: tuple[Row, ...]
+    reference: Row
+    best: Row | None  # None: no candidate beat the reference by the margin
+    best_profile: Path | None
+    plot: Path | None
+    saving_s: float | None  # the reference's predicted duration minus the best's
+    spent_s: float
+    budget_s: float
+    budget_stopped: bool
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Whether the reference was measured: without it nothing was compared."""
+        return self.reference.status == "measured"
+
+
+def build_rows(candidates: Sequence[Candidate], trials: Sequence[Trial],
+               value: Callable[[Trial], float | None]) -> list[Row]:
+    """One row per candidate; `value(trial)` is its predicted job duration."""
+    by = {(t.candidate, t.rung): t for t in trials}
+    rows = []
+    for c in candidates:
+        mine = sorted((t for t in trials if t.candidate == c.id), key=lambda t: t.rung)
+        if not mine:
+            rows.append(Row(c.id, c.label, c.origin, "not measured",
+                            note="not measured: the budget ran out"))
+            continue
+        first, last = mine[0], mine[-1]
+        predicted = value(last)
+        ref = by.get((REFERENCE, last.rung))
+        ref_value = value(ref) if ref is not None else None
+        ratio = predicted / ref_value if predicted and ref_value else None
+        probe = first.probe or {}
+        verdict = ("reference" if c.id == REFERENCE else
+                   "pass" if probe.get("passed") else "FAIL" if probe else "-")
+        rows.append(Row(
+            c.id, c.label, c.origin, last.status, last.rung, first.kv_tokens,
+            first.headroom_gib, last.tok_s, first.tok_s, predicted, ratio,
+            probe.get("mean_kl"), probe.get("top1_agreement"), verdict,
+            first.reason if first.status != "measured" else last.reason))
+    return rows
+
+
+def _num(v: float | int | None, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def format_table(result: TuneResult) -> str:
+    """The table and what it means, for a terminal or a log."""
+    head = ("candidate", "rung", "KV tokens", "headroom", "tok/s", "job (pred.)", "vs ref",
+            "probe KL", "top-1", "verdict", "why out / note")
+    lines = [head]
+    for r in result.rows:
+        lines.append((
+            r.label[:48], _num(r.rung, "d"), _num(r.kv_tokens, ","),
+            "–" if r.headroom_gib is None else f"{r.headroom_gib:.2f} GiB",
+            _num(r.tok_s, ",.1f"), format_duration(r.predicted_s) if r.predicted_s else "–",
+            "–" if r.ratio is None else f"{r.ratio:.2f}×", _num(r.probe_kl, ".1e"),
+            "–" if r.probe_top1 is None else f"{r.probe_top1:.1%}", r.verdict or "–",
+            r.note[:90]))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+           for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    out.append("")
+    ref = result.reference
+    if not result.ok:
+        out.append(f"no result: the reference could not be measured ({ref.note})")
+    elif result.best is not None and result.saving_s is not None:
+        b = result.best
+        out.append(f"best: {b.label} — the job predicted in {format_duration(b.predicted_s)} "
+                   f"against {format_duration((b.predicted_s or 0) + result.saving_s)} "
+                   f"with the reference (saves {format_duration(result.saving_s)}, "
+                   f"{b.ratio:.2f}×)")
+    else:
+        out.append(f"best: the reference ({ref.label}) — no passing candidate beat it by "
+                   "more than the measurement noise")
+    out.append("tok/s and job (pred.): at the candidate's last rung, the longest measurement "
+               "it got; vs ref: against the reference measured at that same rung")
+    if result.best_profile is not None:
+        out.append(f"profile written: {result.best_profile}")
+    if result.plot is not None:
+        out.append(f"speed against drift: {result.plot}")
+    spent = (f"spent {format_duration(result.spent_s)} of a {format_duration(result.budget_s)}"
+             " budget")
+    left = sum(1 for r in result.rows if r.status == "not measured")
+    if result.budget_stopped:
+        spent += (f"; stopped by the budget ({left} candidate(s) not measured)" if left else
+                  "; stopped by the budget before a longer measurement")
+    out.append(spent + f"; trials in {result.tune_dir}")
+    out += [f"note: {n}" for n in result.notes]
+    return "\n".join(out)
+
+
+def profile_yaml(profile: ServerProfile, comment: Sequence[str]) -> str:
+    """A profile file `load_profile` reads back to the same settings (absolute paths)."""
+    data: dict[str, Any] = profile.model_dump(mode="json", exclude_defaults=True,
+                                              exclude={"tune"})
+    data["engine"] = profile.engine
+    data["kv_cache_dtype"] = profile.kv_cache_dtype  # explicit, as the policy wants it
+    order = list(type(profile).model_fields)
+    data = {k: data[k] for k in order if k in data}
+    body = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
+    return "".join(f"# {line}\n" for line in comment) + body
+
+
+def write_profile(path: Path, profile: ServerProfile, comment: Sequence[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, profile_yaml(profile, comment).encode())
+    return path
+
+
+def provenance(reference: Path, job: Path | None, chosen: str, predicted: str) -> list[str]:
+    return [
+        f"Written by `draftgen tune` on {time.strftime('%Y-%m-%d %H:%M')} from {reference}",
+        f"for the job {job}: {chosen}.",
+        predicted,
+    ]
+
+
+def draw_speed_vs_drift(rows: Sequence[Row], thresholds: ProbeThresholds, best: Row | None,
+                        path: Path) -> Path:
+    """Each measured candidate's first-rung tok/s against its drift (1 − top-1 agreement)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    try:
+        for r in rows:
+            if r.first_tok_s is None:
+                continue
+            drift = 0.0 if r.probe_top1 is None else 100 * (1 - r.probe_top1)
+            style = {"reference": ("*", "black"), "pass": ("o", "#55A868"),
+                     "FAIL": ("X", "#C44E52")}.get(r.verdict, ("s", "grey"))
+            ax.scatter([drift], [r.first_tok_s], marker=style[0], color=style[1], s=80,
+                       zorder=3)
+            if best is not None and r.candidate == best.candidate:
+                ax.scatter([drift], [r.first_tok_s], s=260, facecolors="none",
+                           edgecolors="#4C72B0", linewidths=2, zorder=2)
+            ax.annotate(r.label[:36], (drift, r.first_tok_s), fontsize=7,
+                        xytext=(5, 4), textcoords="offset points")
+        limit = 100 * (1 - thresholds.min_top1)
+        drifts = [100 * (1 - r.probe_top1) for r in rows if r.probe_top1 is not None]
+        # Room on the right for the labels of the points furthest out.
+        ax.set_xlim(-0.05 * limit, 1.4 * max([*drifts, limit]))
+        ax.axvline(limit, color="#C44E52", linestyle="--", linewidth=1,
+                   label=f"probe limit: top-1 agreement {thresholds.min_top1:.0%}")
+        ax.set_xlabel("drift from the reference: 1 − top-1 agreement (%)")
+        ax.set_ylabel("output tok/s of the job's requests (first measurement)")
+        ax.set_title("Candidates: speed against drift (★ reference, ● pass, ✖ fail)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close("all")
+    return path

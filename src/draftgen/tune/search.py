@@ -1,0 +1,187 @@
+"""Successive halving within a time budget: cheap measurements of every candidate first,
+longer ones of the few that lead.
+
+Rung 0 measures the reference, then every candidate of the grid, for `base_s` each (plus
+the launch, verification and probe, which a candidate pays once per rung). With `combine`,
+the best value of every lever that beat the reference is then tried together. Each later
+rung measures `eta` times longer the best `1/eta` of the previous rung's candidates that
+passed the probe and were not clearly slower than the reference — and the reference again,
+so that every comparison is paired, measured alike and close in time. It ends when a rung
+measured a single candidate, after `max_rungs`, or when the next trial would overrun the
+budget (its window plus the slowest launch seen so far). The reference's first trial always
+runs.
+
+Every trial is recorded as it ends (`record`), and a trial found among `recorded` is
+reused, never measured again: a tune stopped anywhere continues where it stopped, and its
+budget counts what the earlier sessions spent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from draftgen.clock import REAL_CLOCK, Clock
+from draftgen.servers.tuning import Levers
+from draftgen.tune.candidates import COMBINED, REFERENCE, Candidate, candidate_for, combine
+from draftgen.tune.store import Trial
+
+# (candidate, rung, seconds to measure) -> its trial, failures included.
+MeasureFn = Callable[[Candidate, int, float], Awaitable[Trial]]
+# A trial's predicted duration of the whole job, given every trial so far (their pooled
+# answer lengths); None when it cannot be told.
+Objective = Callable[[Trial, Sequence[Trial]], float | None]
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    budget_s: float
+    base_s: float = 20.0
+    eta: int = 2
+    max_rungs: int = 3
+    # A candidate must beat the reference by this share to be called faster (run-to-run
+    # noise of a short measurement is a few percent).
+    margin: float = 0.03
+    combine: bool = True
+
+    def seconds(self, rung: int) -> float:
+        return self.base_s * float(self.eta) ** rung
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    candidates: tuple[Candidate, ...]
+    trials: tuple[Trial, ...]
+    best: Candidate | None  # None: nothing beat the reference by the margin
+    best_trial: Trial | None
+    reference_trial: Trial | None  # the reference's trial paired with best (or its last)
+    spent_s: float
+    budget_stopped: bool
+    unmeasured: tuple[str, ...]  # candidate ids the budget left out
+
+
+class _Search:
+    def __init__(self, grid: Sequence[Candidate], measure: MeasureFn, recorded: Sequence[Trial],
+                 record: Callable[[Trial], None], objective: Objective, opts: SearchOptions,
+                 clock: Clock) -> None:
+        self.cands = {c.id: c for c in grid}
+        self.order = [c.id for c in grid]
+        self.measure, self.record, self.objective = measure, record, objective
+        self.opts, self.clock = opts, clock
+        self.done = {(t.candidate, t.rung): t for t in recorded}
+        self.earlier_s = sum(t.cost_s for t in recorded)
+        self.started = clock.monotonic()
+        self.stopped = False
+
+    def spent(self) -> float:
+        return self.earlier_s + self.clock.monotonic() - self.started
+
+    def _estimate(self, seconds: float) -> float:
+        # The slowest launch (+ verify, probe) seen so far: a budget is a limit, not a target.
+        overheads = [t.cost_s - t.seconds for t in self.done.values() if t.cost_s > t.seconds]
+        return seconds + max(overheads, default=0.0)
+
+    async def trial(self, cand: Candidate, rung: int, *, forced: bool = False) -> Trial | None:
+        found = self.done.get((cand.id, rung))
+        if found is not None:
+            return found
+        seconds = self.opts.seconds(rung)
+        if self.stopped or (not forced and
+                            self.spent() + self._estimate(seconds) > self.opts.budget_s):
+            self.stopped = True
+            return None
+        t = await self.measure(cand, rung, seconds)
+        self.record(t)
+        self.done[(cand.id, rung)] = t
+        return t
+
+    def value(self, cid: str, rung: int) -> float | None:
+        t = self.done.get((cid, rung))
+        if t is None or not t.usable:
+            return None
+        return self.objective(t, list(self.done.values()))
+
+    def ratio(self, cid: str, rung: int) -> float | None:
+        """The candidate's predicted duration over the reference's, measured at one rung."""
+        mine, ref = self.value(cid, rung), self.value(REFERENCE, rung)
+        if mine is None or ref is None or ref <= 0:
+            return None
+        return mine / ref
+
+    def _combined_candidate(self) -> Candidate | None:
+        for t in self.done.values():
+            if t.origin == COMBINED:
+                return candidate_for(Levers.model_validate(t.levers), COMBINED)
+        margin = self.opts.margin
+
+        def gain(c: Candidate) -> float | None:
+            r = self.ratio(c.id, 0)
+            return r if r is not None and r <= 1 - margin else None
+
+        return combine([self.cands[i] for i in self.order], gain)
+
+    async def run(self) -> int:
+        """Measure rung after rung; returns the last rung measured."""
+        ref = self.cands[REFERENCE]
+        first = await self.trial(ref, 0, forced=True)
+        if first is None or not first.usable:
+            return 0
+        for cid in self.order[1:]:
+            await self.trial(self.cands[cid], 0)
+        if self.opts.combine:
+            # Listed even when the budget is out: the table shows what would have been next.
+            extra = self._combined_candidate()
+            if extra is not None and extra.id not in self.cands:
+                self.cands[extra.id] = extra
+                self.order.append(extra.id)
+                await self.trial(extra, 0)
+        rung, measured = 0, list(self.order[1:])
+        while rung + 1 < self.opts.max_rungs and not self.stopped:
+            alive = [c for c in measured if (r := self.ratio(c, rung)) is not None
+                     and r < 1 + self.opts.margin]
+            if not alive or (rung > 0 and len(measured) <= 1):
+                break
+            alive.sort(key=lambda c: self.ratio(c, rung) or math.inf)
+            keep = alive[:max(1, math.ceil(len(alive) / self.opts.eta))]
+            rung += 1
+            await self.trial(ref, rung)
+            for cid in keep:
+                await self.trial(self.cands[cid], rung)
+            measured = keep
+        return rung
+
+    def best(self) -> tuple[Candidate | None, Trial | None, Trial | None]:
+        """The leader of the highest rung with a passing candidate paired with the reference,
+        if it beats the reference by the margin."""
+        rungs = sorted({r for (c, r) in self.done if c != REFERENCE}, reverse=True)
+        for rung in rungs:
+            scored = [(r, c) for c in self.order[1:]
+                      if (r := self.ratio(c, rung)) is not None]
+            if not scored:
+                continue
+            ratio, cid = min(scored)
+            ref_trial = self.done.get((REFERENCE, rung))
+            if ratio <= 1 - self.opts.margin:
+                return self.cands[cid], self.done[(cid, rung)], ref_trial
+            return None, None, ref_trial
+        return None, None, self.done.get((REFERENCE, 0))
+
+
+async def search(grid: Sequence[Candidate], measure: MeasureFn, *, recorded: Sequence[Trial],
+                 record: Callable[[Trial], None], objective: Objective, opts: SearchOptions,
+                 clock: Clock = REAL_CLOCK) -> SearchOutcome:
+    """Run the search (see the module docstring); `grid[0]` must be the reference."""
+    if not grid or not grid[0].is_reference:
+        raise ValueError("the grid must start with the reference")
+    s = _Search(grid, measure, recorded, record, objective, opts, clock)
+    await s.run()
+    best, best_trial, ref_trial = s.best()
+    measured = {c for (c, _) in s.done}
+    return SearchOutcome(
+        candidates=tuple(s.cands[c] for c in s.order),
+        trials=tuple(sorted(s.done.values(), key=lambda t: (t.rung, s.order.index(t.candidate)
+                                                             if t.candidate in s.order else 0))),
+        best=best, best_trial=best_trial, reference_trial=ref_trial,
+        spent_s=s.spent(), budget_stopped=s.stopped,
+        unmeasured=tuple(c for c in s.order if c not in measured))

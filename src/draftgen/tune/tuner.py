@@ -1,0 +1,199 @@
+"""`draftgen tune PROFILE --job JOB`: the fastest server configuration that passes the probe,
+for this job, within a time budget.
+
+    the reference profile + the job's plan → the grid (candidates.py)
+    → successive halving (search.py), each trial launched, verified, probed against the
+      reference and measured with the job's own requests (measure.py), its job duration
+      predicted by the capacity model (predict.py), recorded in the tune directory (store.py)
+    → the table, the best profile written, speed against drift (result.py)
+
+The reference is the profile as given: every candidate is compared with it, measured the
+same way and close in time, and must generate what it generates (the A/B probe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftgen.clock import REAL_CLOCK, Clock, format_duration
+from draftgen.errors import JobError
+from draftgen.job import JobSpec, read_api_key
+from draftgen.planning.measured import measure_from_run
+from draftgen.planning.plan import build_plan
+from draftgen.probe.drift import ProbeThresholds
+from draftgen.reporting.plots import PlotError
+from draftgen.sample import Sample, base_body
+from draftgen.servers.install import detect_install
+from draftgen.servers.policy import check_profile
+from draftgen.servers.preflight import read_available_memory
+from draftgen.servers.profile import ServerProfile, load_profile, profile_hash
+from draftgen.tune.candidates import REFERENCE, HostFacts, build_grid, is_mla_model
+from draftgen.tune.levers import apply_levers
+from draftgen.tune.measure import Measurer, MeasureSettings
+from draftgen.tune.predict import JobModel
+from draftgen.tune.referee import load_reference
+from draftgen.tune.result import (
+    Row,
+    TuneResult,
+    build_rows,
+    draw_speed_vs_drift,
+    provenance,
+    write_profile,
+)
+from draftgen.tune.search import SearchOptions, SearchOutcome, search
+from draftgen.tune.store import Trial, TuneDir
+from draftgen.tune.window import interleaved
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    budget_s: float = 1800.0
+    # Default: next to the job's output, `<output>-tune-<profile name>`.
+    tune_dir: Path | None = None
+    # The best profile; default: <tune_dir>/best.yaml.
+    write: Path | None = None
+    measure_s: float = 20.0  # the first rung's window; each later rung `eta` times longer
+    warmup_s: float = 5.0
+    eta: int = 2
+    max_rungs: int = 3
+    margin: float = 0.03
+    probe_n: int = 16
+    probe_max_tokens: int = 32
+    probe_top_k: int = 10
+    thresholds: ProbeThresholds = field(default_factory=ProbeThresholds)
+    launch_timeout_s: float = 1800.0
+    # A finished or partial run of this job: its answer lengths feed the predictions.
+    lengths_from: Path | None = None
+    plot: bool = True
+    clock: Clock = REAL_CLOCK
+    on_event: Callable[[str], None] | None = None
+
+
+def default_tune_dir(job: JobSpec, profile: ServerProfile) -> Path:
+    out = job.resolve(job.output)
+    return out.parent / f"{out.name}-tune-{profile.server_name}"
+
+
+def job_digest(job: JobSpec, samples: Sequence[Sample]) -> str:
+    """Changes when the requests the job sends, or its concurrency, change."""
+    data = [job.model, {n: p.concurrency for n, p in job.partitions.items()},
+            [s.fingerprint for s in samples]]
+    return hashlib.sha256(json.dumps(data).encode()).hexdigest()[:16]
+
+
+async def tune(profile_path: Path, job: JobSpec, opts: TuneOptions) -> TuneResult:
+    """Tune the profile's server for the job (see the module docstring).
+
+    Raises JobError for a bad profile, job or tune directory, QualityPolicyError when the
+    reference profile itself is refused, DiskError when the tune directory cannot be written.
+    A candidate that fails in any way is a row of the result, not an exception.
+    """
+    reference = load_profile(profile_path)
+    check_profile(reference)
+    plan = build_plan(job)
+    if not plan.samples:
+        raise JobError(f"{job.source_file or 'job'}: the plan has no samples to measure with")
+    samples = plan.samples
+    concurrency = {name: p.concurrency for name, p in job.partitions.items()}
+    store = TuneDir(opts.tune_dir or default_tune_dir(job, reference))
+    header = {
+        "profile_hash": profile_hash(reference),
+        "job": job_digest(job, samples),
+        "measurement": {"measure_s": opts.measure_s, "warmup_s": opts.warmup_s,
+                        "eta": opts.eta, "probe_n": opts.probe_n,
+                        "probe_max_tokens": opts.probe_max_tokens,
+                        "probe_top_k": opts.probe_top_k},
+    }
+    recorded = store.open(header)
+    if load_reference(store.reference_probe) is None:
+        # Its probe answers are gone: the reference's first trial is run again to record them.
+        recorded = [t for t in recorded if not (t.candidate == REFERENCE and t.rung == 0)]
+    install = await asyncio.to_thread(detect_install, reference.engine, reference.interpreter)
+    host = HostFacts(available_bytes=read_available_memory(), install=install,
+                     mla=is_mla_model(reference.model_path))
+    total = sum(concurrency.values())
+    grid = build_grid(reference, total, host)
+    ordered = interleaved(samples)
+    known = measure_from_run(opts.lengths_from).output_tokens if opts.lengths_from else {}
+    model = JobModel(samples, concurrency, job.seed, known)
+    say = opts.on_event
+    if say is not None:
+        say(f"tune: {len(grid) - 1} candidate(s) against the reference "
+            f"({install.describe()}); budget {format_duration(opts.budget_s)}; "
+            f"trials in {store.path}")
+    measurer = Measurer(MeasureSettings(
+        reference=reference, tune_dir=store, model=job.model, samples=ordered,
+        base=base_body(job.model, job.sampling.model_dump()), concurrency=concurrency,
+        probe_prompts=[list(s.messages) for s in ordered[:opts.probe_n]],
+        probe_max_tokens=opts.probe_max_tokens, probe_top_k=opts.probe_top_k,
+        thresholds=opts.thresholds, warmup_s=opts.warmup_s,
+        launch_timeout_s=opts.launch_timeout_s, api_key=read_api_key(job), clock=opts.clock,
+        on_event=say))
+    space = reference.tune
+    outcome = await search(
+        grid, measurer, recorded=recorded, record=store.append, objective=model.seconds,
+        opts=SearchOptions(budget_s=opts.budget_s, base_s=opts.measure_s, eta=opts.eta,
+                           max_rungs=opts.max_rungs, margin=opts.margin,
+                           combine=space.combine if space is not None else True),
+        clock=opts.clock)
+    return _result(profile_path, job, reference, store, outcome, model, opts)
+
+
+def _result(profile_path: Path, job: JobSpec, reference: ServerProfile, store: TuneDir,
+            outcome: SearchOutcome, model: JobModel, opts: TuneOptions) -> TuneResult:
+    trials = list(outcome.trials)
+
+    def value(t: Trial) -> float | None:
+        return model.seconds(t, trials, rejected_too=True)
+
+    rows = build_rows(outcome.candidates, trials, value)
+    ref_row = rows[0]
+    best_row = next((r for r in rows if outcome.best is not None
+                     and r.candidate == outcome.best.id), None)
+    saving = None
+    if outcome.best_trial is not None and outcome.reference_trial is not None:
+        mine, ref = value(outcome.best_trial), value(outcome.reference_trial)
+        saving = ref - mine if mine is not None and ref is not None else None
+    notes: list[str] = []
+    if ref_row.status != "measured":
+        notes.append(f"the reference could not be measured ({ref_row.note}): nothing to "
+                     "compare with")
+    written = None
+    if ref_row.status == "measured":
+        chosen = outcome.best
+        profile = apply_levers(reference, chosen.levers) if chosen else reference
+        what = (f"{chosen.label}" if chosen else "the reference's own settings (no candidate "
+                "beat it)")
+        predicted = (f"Predicted job duration {format_duration(best_row.predicted_s)} against "
+                     f"{format_duration((best_row.predicted_s or 0) + (saving or 0))} for the "
+                     "reference." if best_row is not None else
+                     f"Predicted job duration {format_duration(ref_row.predicted_s)}.")
+        written = write_profile(opts.write or store.path / "best.yaml", profile,
+                                provenance(profile_path, job.source_file, what, predicted))
+    plot = None
+    if opts.plot and any(r.first_tok_s is not None for r in rows):
+        try:
+            plot = draw_speed_vs_drift(rows, opts.thresholds, best_row, store.path / "tune.png")
+        except PlotError as e:
+            notes.append(f"no plot: {e}")
+    if best_row is not None and best_row.rung == 0 and opts.max_rungs > 1:
+        notes.append("the best was measured once, briefly: give a larger budget to measure "
+                     "it again, longer, beside the reference")
+    notes += _lossy_notes(rows)
+    return TuneResult(store.path, tuple(rows), ref_row, best_row, written, plot, saving,
+                      outcome.spent_s, opts.budget_s, outcome.budget_stopped, tuple(notes))
+
+
+def _lossy_notes(rows: Sequence[Row]) -> list[str]:
+    out = []
+    for r in rows:
+        if r.verdict == "FAIL" and r.ratio is not None and r.ratio < 1:
+            out.append(f"{r.label} would have been {1 / r.ratio:.2f}× as fast, but fails the "
+                       "probe: it changes what the model writes")
+    return out
+

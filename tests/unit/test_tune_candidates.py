@@ -1,0 +1,227 @@
+"""The tune's grid per engine, and a candidate's levers applied to the reference profile."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from draftgen.errors import JobError
+from draftgen.servers import engine_for, load_profile, profile_hash
+from draftgen.servers.install import EngineInstall
+from draftgen.servers.profile import ServerProfile
+from draftgen.servers.tuning import Levers
+from draftgen.tune.candidates import (
+    REFERENCE,
+    HostFacts,
+    build_grid,
+    candidate_for,
+    combine,
+    is_mla_model,
+)
+from draftgen.tune.levers import apply_levers, drop_flag, flag_value, set_flag
+
+REPO = Path(__file__).resolve().parents[2]
+LOCAL_CPU = REPO / "examples" / "profiles" / "local-cpu.yaml"
+KIMI = REPO / "examples" / "profiles" / "kimi-k2.5-sglang-8gpu.yaml"
+SGLANG = EngineInstall("sglang", "python", "0.5.23",
+                       frozenset({"--attn-dp-size", "--enable-dp-attention"}))
+NO_RAM = HostFacts(available_bytes=None)
+
+
+def labels(grid: list[Any]) -> list[str]:
+    return [c.label for c in grid]
+
+
+def variant(path: Path, tmp_path: Path, **changes: Any) -> ServerProfile:
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    if path == LOCAL_CPU:
+        data["model_path"] = str(REPO / ".cache" / "tiny-model")
+    out = tmp_path / "p.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return load_profile(out)
+
+
+def test_default_grid_for_the_local_cpu_engine() -> None:
+    grid = build_grid(load_profile(LOCAL_CPU), job_concurrency=20, host=NO_RAM)
+    # KV size on the CPU build, the running limit (64 is above the job's 20: doubled), the
+    # prefill chunk (vLLM CPU's default 2048, doubled); no lossy dtype without the override.
+    assert labels(grid) == ["reference", "cpu_kv_gib=2", "max_running_requests=128",
+                            "chunked_prefill=4096"]
+    assert grid[0].id == REFERENCE and grid[0].is_reference
+
+
+def test_default_grid_for_the_kimi_profile_on_sglang() -> None:
+    host = HostFacts(available_bytes=600 * 10**9, install=SGLANG, mla=True)
+    grid = build_grid(load_profile(KIMI), job_concurrency=182, host=host)
+    # dp_attention is already on; HiCache is on, so the grid tries it off.
+    assert labels(grid) == ["reference", "mem_fraction=0.9", "mem_fraction=0.92",
+                            "max_running_requests=1024", "chunked_prefill=16384",
+                            "hicache_gb_per_rank=0"]
+
+
+def test_lossy_kv_is_tried_only_under_the_quality_override(tmp_path: Path) -> None:
+    allowed = variant(KIMI, tmp_path, quality={"allow_lossy_kv_cache": True, "reason": "t"})
+    grid = build_grid(allowed, 182, HostFacts(install=SGLANG))
+    assert labels(grid)[-1] == "kv_cache_dtype=fp8_e4m3"
+    cpu = variant(LOCAL_CPU, tmp_path, quality={"allow_lossy_kv_cache": True, "reason": "t"})
+    assert labels(build_grid(cpu, 20, NO_RAM))[-1] == "kv_cache_dtype=fp8"
+
+
+def test_dp_attention_for_an_mla_model_where_the_release_has_it(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"kv_lora_rank": 512}}))
+    assert is_mla_model(str(model)) is True
+    assert is_mla_model(str(tmp_path / "absent")) is None
+    plain = variant(KIMI, tmp_path, dp=1, dp_attention=False, model_path=str(model))
+    with_it = build_grid(plain, 100, HostFacts(install=SGLANG, mla=True))
+    assert "dp_attention=true" in labels(with_it)
+    old = EngineInstall("sglang", "python", "0.4.0", frozenset({"--tp-size"}))
+    assert "dp_attention=true" not in labels(build_grid(plain, 100,
+                                                        HostFacts(install=old, mla=True)))
+    dp = apply_levers(plain, Levers(dp_attention=True))
+    assert dp.dp_attention and dp.dp == dp.tp == 8
+
+
+def test_hicache_default_size_fits_the_host_ram(tmp_path: Path) -> None:
+    off = variant(KIMI, tmp_path, hierarchical_cache={"enabled": False})
+    # 8 ranks; 200 GB available minus SGLang's 10 GiB reserve: 23 GB per rank.
+    grid = build_grid(off, 100, HostFacts(available_bytes=200 * 10**9, install=SGLANG))
+    assert "hicache_gb_per_rank=23" in labels(grid)
+    tiny = build_grid(off, 100, HostFacts(available_bytes=11 * 10**9, install=SGLANG))
+    assert not any(lb.startswith("hicache") for lb in labels(tiny))
+
+
+def test_the_tune_section_narrows_the_grid(tmp_path: Path) -> None:
+    narrowed = variant(LOCAL_CPU, tmp_path, tune={
+        "max_running_requests": [16, 64], "cpu_kv_gib": [], "chunked_prefill": [],
+        "prefix_cache": [False], "model_dtype": ["float32"]})
+    # 64 is the reference's own value: no candidate for it.
+    assert labels(build_grid(narrowed, 20, NO_RAM)) == [
+        "reference", "max_running_requests=16", "prefix_cache=false", "model_dtype=float32"]
+    drafted = variant(LOCAL_CPU, tmp_path, tune={
+        "max_running_requests": [], "cpu_kv_gib": [], "chunked_prefill": [],
+        "speculative": {"method": "ngram"}})
+    assert labels(build_grid(drafted, 20, NO_RAM)) == ["reference", "speculative=true"]
+    listed = variant(LOCAL_CPU, tmp_path, tune={"candidates": [
+        {"max_running_requests": 16}, {"max_running_requests": 16, "kv_cache_dtype": "fp8"}]})
+    grid = build_grid(listed, 20, NO_RAM)
+    assert labels(grid) == ["reference", "max_running_requests=16",
+                            "max_running_requests=16, kv_cache_dtype=fp8"]
+    assert {c.origin for c in grid[1:]} == {"listed"}
+
+
+def test_the_tune_section_is_checked_and_left_out_of_the_hash(tmp_path: Path) -> None:
+    plain = variant(LOCAL_CPU, tmp_path)
+    tuned = variant(LOCAL_CPU, tmp_path, tune={"max_running_requests": [8]})
+    assert profile_hash(plain) == profile_hash(tuned)
+    with pytest.raises(JobError, match=r"tune\.max_running_requests"):
+        variant(LOCAL_CPU, tmp_path, tune={"max_running_requests": [0]})
+    with pytest.raises(JobError, match=r"tune\.nope"):
+        variant(LOCAL_CPU, tmp_path, tune={"nope": [1]})
+
+
+def test_candidate_ids_are_stable_and_name_the_levers() -> None:
+    a = candidate_for(Levers(max_running_requests=16, kv_cache_dtype="FP8"))
+    b = candidate_for(Levers(kv_cache_dtype="fp8", max_running_requests=16))
+    assert a.id == b.id and len(a.id) == 8
+    assert a.label == "max_running_requests=16, kv_cache_dtype=fp8"
+    assert candidate_for(Levers()).id == REFERENCE
+
+
+def test_vllm_levers_become_flags_fields_and_env(tmp_path: Path) -> None:
+    ref = variant(LOCAL_CPU, tmp_path, extra_args=["--enforce-eager",
+                                                   "--max-num-batched-tokens", "512"],
+                  tune={"speculative": {"method": "ngram", "num_tokens": 3}})
+    cand = apply_levers(ref, Levers(max_running_requests=16, chunked_prefill=4096,
+                                    prefix_cache=False, speculative=True, cpu_kv_gib=2,
+                                    kv_cache_dtype="fp8", model_dtype="float32"))
+    argv = engine_for("vllm").argv(cand)
+    assert argv[argv.index("--max-num-seqs") + 1] == "16"
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "fp8"
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert argv.count("--max-num-batched-tokens") == 1
+    assert flag_value(argv, "--max-num-batched-tokens") == "4096"
+    assert "--no-enable-prefix-caching" in argv
+    spec = json.loads(flag_value(argv, "--speculative-config") or "{}")
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 2}
+    assert cand.env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    # The reference is untouched, and a lever set back to the default drops the flag.
+    assert "--no-enable-prefix-caching" not in engine_for("vllm").argv(ref)
+    back = apply_levers(cand, Levers(prefix_cache=True, speculative=False))
+    assert "--enable-prefix-caching" in back.extra_args
+    assert flag_value(back.extra_args, "--speculative-config") is None
+
+
+def test_sglang_levers_become_its_flags(tmp_path: Path) -> None:
+    ref = variant(KIMI, tmp_path, extra_args=["--trust-remote-code", "--chunked-prefill-size",
+                                              "8192"],
+                  tune={"speculative": {"method": "EAGLE3", "draft_model": "org/kimi-eagle3",
+                                        "num_tokens": 4}})
+    cand = apply_levers(ref, Levers(chunked_prefill=16384, prefix_cache=False,
+                                    speculative=True, hicache_gb_per_rank=0,
+                                    mem_fraction=0.9))
+    argv = engine_for("sglang").argv(cand, install=SGLANG)
+    assert flag_value(argv, "--chunked-prefill-size") == "16384"
+    assert argv.count("--chunked-prefill-size") == 1
+    assert "--disable-radix-cache" in argv
+    assert "--enable-hierarchical-cache" not in argv and "--hicache-size" not in argv
+    # HiCache extends the radix cache: without a prefix cache it goes too (SGLang refuses
+    # the pair), and asking for both is refused here.
+    alone = apply_levers(ref, Levers(prefix_cache=False))
+    assert not alone.hierarchical_cache.enabled
+    with pytest.raises(JobError, match="exclude each other"):
+        apply_levers(ref, Levers(prefix_cache=False, hicache_gb_per_rank=8))
+    assert flag_value(argv, "--mem-fraction-static") == "0.9"
+    assert [flag_value(argv, f) for f in (
+        "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+        "--speculative-eagle-topk", "--speculative-num-draft-tokens")] == [
+        "EAGLE3", "org/kimi-eagle3", "3", "1", "4"]
+
+
+def test_a_lever_the_profile_cannot_take_is_refused(tmp_path: Path) -> None:
+    cpu = load_profile(LOCAL_CPU)
+    with pytest.raises(JobError, match="dp_attention"):
+        apply_levers(cpu, Levers(dp_attention=True))
+    with pytest.raises(JobError, match="names no draft"):
+        apply_levers(cpu, Levers(speculative=True))
+    with pytest.raises(JobError, match="kv_cache_dtype"):
+        apply_levers(load_profile(KIMI), Levers(kv_cache_dtype="float16"))
+
+
+def test_flag_editing() -> None:
+    args = ["--a", "1", "--b=2", "--flag", "--a", "3"]
+    assert flag_value(args, "--a") == "3" and flag_value(args, "--b") == "2"
+    assert drop_flag(args, "--a", valued=True) == ["--b=2", "--flag"]
+    assert drop_flag(args, "--flag", valued=False) == ["--a", "1", "--b=2", "--a", "3"]
+    assert set_flag(args, "--b", "5") == ["--a", "1", "--flag", "--a", "3", "--b", "5"]
+
+
+def test_combined_takes_the_best_value_of_each_lever_that_helped() -> None:
+    cands = [candidate_for(Levers()),
+             candidate_for(Levers(max_running_requests=16)),
+             candidate_for(Levers(max_running_requests=32)),
+             candidate_for(Levers(chunked_prefill=4096)),
+             candidate_for(Levers(prefix_cache=False))]
+    gains = {"max_running_requests=16": 0.8, "max_running_requests=32": 0.7,
+             "chunked_prefill=4096": 0.9, "prefix_cache=false": None}
+    merged = combine(cands, lambda c: gains.get(c.label))
+    assert merged is not None and merged.origin == "combined"
+    assert merged.levers == Levers(max_running_requests=32, chunked_prefill=4096)
+    assert combine(cands, lambda c: 0.5 if c.label == "chunked_prefill=4096" else None) is None
+
+
+def test_draft_model_path_resolves_from_the_profile(tmp_path: Path) -> None:
+    (tmp_path / "draft").mkdir()
+    p = variant(KIMI, tmp_path, tune={"speculative": {"method": "EAGLE3",
+                                                      "draft_model": "./draft"}})
+    assert p.tune is not None and p.tune.speculative is not None
+    assert p.tune.speculative.draft_model == str(tmp_path / "draft")
+    assert sys.executable  # the profile's interpreter default is untouched

@@ -1,0 +1,205 @@
+"""The tune's search: successive halving within a budget, on a fake clock and a fake measure;
+and the tune directory it resumes from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from draftgen.clock import FakeClock
+from draftgen.errors import JobError
+from draftgen.servers.tuning import Levers
+from draftgen.tune.candidates import REFERENCE, Candidate, candidate_for
+from draftgen.tune.search import SearchOptions, SearchOutcome, search
+from draftgen.tune.store import Status, Trial, TuneDir
+
+LAUNCH_S = 30.0
+
+
+def grid(*limits: int) -> list[Candidate]:
+    return [candidate_for(Levers()),
+            *(candidate_for(Levers(max_running_requests=n)) for n in limits)]
+
+
+@dataclass
+class FakeMeasure:
+    """Each candidate's true tok/s; a trial costs a launch plus its window on the clock."""
+
+    clock: FakeClock
+    speed: dict[str, float]
+    status: dict[str, Status] = field(default_factory=dict)
+    calls: list[tuple[str, int]] = field(default_factory=list)
+    fail_after: int | None = None
+
+    async def __call__(self, cand: Candidate, rung: int, seconds: float) -> Trial:
+        if self.fail_after is not None and len(self.calls) >= self.fail_after:
+            raise KeyboardInterrupt  # the tune killed mid-way
+        self.calls.append((cand.label, rung))
+        status = self.status.get(cand.label, "measured")
+        if status in ("failed", "refused"):
+            self.clock.advance(5.0)
+            return Trial(cand.id, rung, cand.levers.changes(), cand.origin, status,
+                         reason="engine exited (code 1)", seconds=seconds, cost_s=5.0)
+        self.clock.advance(LAUNCH_S + seconds)
+        return Trial(cand.id, rung, cand.levers.changes(), cand.origin, status,
+                     seconds=seconds, cost_s=LAUNCH_S + seconds,
+                     tok_s=self.speed[cand.label], kv_tokens=1000,
+                     probe=None if cand.is_reference else
+                     {"passed": status == "measured", "top1_agreement": 0.9})
+
+
+def objective(trial: Trial, trials: Sequence[Trial]) -> float | None:
+    return 1000.0 / trial.tok_s if trial.usable and trial.tok_s else None
+
+
+async def run(cands: list[Candidate], measure: FakeMeasure, *, budget_s: float = 10_000,
+              recorded: Sequence[Trial] = (), sink: list[Trial] | None = None,
+              **kw: object) -> SearchOutcome:
+    out = sink if sink is not None else []
+    opts = SearchOptions(budget_s=budget_s, base_s=10.0, **kw)  # type: ignore[arg-type]
+    return await search(cands, measure, recorded=recorded, record=out.append,
+                        objective=objective, opts=opts, clock=measure.clock)
+
+
+SPEEDS = {"reference": 100.0, "max_running_requests=4": 150.0,
+          "max_running_requests=8": 300.0, "max_running_requests=16": 400.0,
+          "max_running_requests=32": 390.0, "max_running_requests=64": 120.0,
+          "max_running_requests=128": 80.0}
+
+
+async def test_halving_measures_the_leaders_longer_and_keeps_the_best() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    out = await run(grid(4, 8, 16, 32, 64, 128), m, eta=2, max_rungs=4, combine=False)
+    assert out.best is not None and out.best.label == "max_running_requests=16"
+    rungs: dict[int, list[str]] = {}
+    for label, rung in m.calls:
+        rungs.setdefault(rung, []).append(label)
+    # 128 is slower than the reference: never measured again. 5 alive -> 3 -> 2 -> 1.
+    assert rungs[1] == ["reference", "max_running_requests=16", "max_running_requests=32",
+                        "max_running_requests=8"]
+    assert rungs[2] == ["reference", "max_running_requests=16", "max_running_requests=32"]
+    assert rungs[3] == ["reference", "max_running_requests=16"]
+    # Each rung's window is eta times the last; the reference is paired at every rung.
+    assert {t.rung: t.seconds for t in out.trials} == {0: 10.0, 1: 20.0, 2: 40.0, 3: 80.0}
+    assert out.best_trial is not None and out.best_trial.rung == 3
+    assert out.reference_trial is not None and out.reference_trial.rung == 3
+    assert not out.budget_stopped and out.unmeasured == ()
+
+
+async def test_the_budget_is_respected() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    # Each trial costs 40 s at rung 0: the reference and three candidates fit in 170 s.
+    out = await run(grid(4, 8, 16, 32, 64, 128), m, budget_s=170, combine=False)
+    assert len(m.calls) == 4 and out.budget_stopped
+    assert out.spent_s <= 170
+    assert out.unmeasured == tuple(c.id for c in grid(32, 64, 128)[1:])
+    assert out.best is not None and out.best.label == "max_running_requests=16"
+
+
+async def test_the_reference_is_measured_whatever_the_budget() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    out = await run(grid(4, 8), m, budget_s=1)
+    assert m.calls == [("reference", 0)] and out.best is None and out.budget_stopped
+
+
+async def test_a_launch_failure_is_a_result_and_never_promoted() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS, status={"max_running_requests=16": "failed"})
+    sink: list[Trial] = []
+    out = await run(grid(8, 16), m, sink=sink, combine=False)
+    failed = [t for t in sink if t.status == "failed"]
+    assert [(t.levers, t.rung, t.reason) for t in failed] == [
+        ({"max_running_requests": 16}, 0, "engine exited (code 1)")]
+    assert out.best is not None and out.best.label == "max_running_requests=8"
+    assert ("max_running_requests=16", 1) not in m.calls
+
+
+async def test_a_candidate_that_fails_the_probe_is_out_whatever_its_speed() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS, status={"max_running_requests=16": "rejected"})
+    out = await run(grid(8, 16), m, combine=False)
+    assert out.best is not None and out.best.label == "max_running_requests=8"
+    assert [c for c in m.calls if c[1] > 0 and c[0] == "max_running_requests=16"] == []
+
+
+async def test_nothing_faster_than_the_noise_keeps_the_reference() -> None:
+    m = FakeMeasure(FakeClock(), {"reference": 100.0, "max_running_requests=8": 101.0})
+    out = await run(grid(8), m)
+    assert out.best is None and out.reference_trial is not None
+
+
+async def test_levers_that_helped_are_combined() -> None:
+    cands = [candidate_for(Levers()), candidate_for(Levers(max_running_requests=16)),
+             candidate_for(Levers(chunked_prefill=4096)),
+             candidate_for(Levers(prefix_cache=False))]
+    speeds = {"reference": 100.0, "max_running_requests=16": 200.0,
+              "chunked_prefill=4096": 120.0, "prefix_cache=false": 90.0,
+              "max_running_requests=16, chunked_prefill=4096": 260.0}
+    m = FakeMeasure(FakeClock(), speeds)
+    out = await run(cands, m, max_rungs=1)
+    assert m.calls[-1] == ("max_running_requests=16, chunked_prefill=4096", 0)
+    assert out.best is not None and out.best.origin == "combined"
+
+
+async def test_a_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
+    store = TuneDir(tmp_path / "t")
+    header = {"profile_hash": "abc", "job": "def"}
+    assert store.open(header) == []
+    clock = FakeClock()
+    m = FakeMeasure(clock, SPEEDS, fail_after=5)
+    with pytest.raises(KeyboardInterrupt):
+        await search(grid(4, 8, 16, 32), m, recorded=[], record=store.append,
+                     objective=objective, opts=SearchOptions(budget_s=10_000, base_s=10.0),
+                     clock=clock)
+    recorded = TuneDir(tmp_path / "t").open(header)
+    assert [(t.candidate, t.rung) for t in recorded] == [
+        (c.id, 0) for c in grid(4, 8, 16, 32)]
+    again = FakeMeasure(FakeClock(), SPEEDS)
+    out = await search(grid(4, 8, 16, 32), again, recorded=recorded, record=store.append,
+                       objective=objective, opts=SearchOptions(budget_s=10_000, base_s=10.0),
+                       clock=again.clock)
+    assert all(rung > 0 for _, rung in again.calls), again.calls
+    assert out.best is not None and out.best.label == "max_running_requests=16"
+    # Done: a third run measures nothing, and the budget counts what was spent before.
+    third = FakeMeasure(FakeClock(), SPEEDS)
+    final = await search(grid(4, 8, 16, 32), third, recorded=TuneDir(tmp_path / "t").open(header),
+                         record=store.append, objective=objective,
+                         opts=SearchOptions(budget_s=10_000, base_s=10.0), clock=third.clock)
+    assert third.calls == [] and final.best == out.best
+    assert final.spent_s == pytest.approx(sum(t.cost_s for t in final.trials))
+
+
+async def test_the_budget_counts_earlier_sessions() -> None:
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    sink: list[Trial] = []
+    await run(grid(4, 8), m, budget_s=10_000, sink=sink, max_rungs=1)
+    again = FakeMeasure(FakeClock(), SPEEDS)
+    out = await run(grid(4, 8, 16), again, budget_s=sum(t.cost_s for t in sink) + 10,
+                    recorded=sink)
+    assert again.calls == [] and out.budget_stopped
+
+
+def test_the_tune_directory_cuts_a_torn_line_and_refuses_another_tune(tmp_path: Path) -> None:
+    store = TuneDir(tmp_path)
+    header = {"profile_hash": "abc", "job": "def"}
+    store.open(header)
+    store.append(Trial("reference", 0, {}, "reference", "measured", tok_s=5.0))
+    with (tmp_path / "tune.jsonl").open("ab") as f:
+        f.write(b'{"candidate": "x", "ru')
+    again = TuneDir(tmp_path)
+    trials = again.open(header)
+    assert [t.candidate for t in trials] == ["reference"] and again.torn_bytes > 0
+    assert (tmp_path / "tune.jsonl").read_bytes().endswith(b"}\n")
+    with pytest.raises(JobError, match="another job"):
+        TuneDir(tmp_path).open({"profile_hash": "abc", "job": "other"})
+
+
+def test_the_grid_must_start_with_the_reference() -> None:
+    import asyncio
+
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    with pytest.raises(ValueError, match="reference"):
+        asyncio.run(search(grid(4)[1:], m, recorded=[], record=lambda t: None,
+                           objective=objective, opts=SearchOptions(budget_s=1), clock=m.clock))
+    assert REFERENCE == "reference"

@@ -1,0 +1,75 @@
+"""A window of the job's own requests: what is sent, how much at once, what is counted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fakeserver import FakeServer, Reply, completion
+
+from draftgen.errors import RunError
+from draftgen.sample import Message, Sample, base_body
+from draftgen.tune.window import interleaved, measure_window
+
+
+def sample(i: int, category: str, partition: str) -> Sample:
+    messages: tuple[Message, ...] = ({"role": "system", "content": f"sys {category}"},
+                                     {"role": "user", "content": f"{category} prompt {i}"})
+    return Sample(f"{category}-{i}", category, partition, messages,
+                  max_tokens=64 if partition == "short" else 128, seed=1000 + i)
+
+
+SAMPLES = [sample(i, c, "long" if c == "essay" else "short")
+           for c in ("chat", "code", "essay") for i in range(4)]
+
+
+def streaming(body: dict[str, Any]) -> Reply:
+    reply = completion(["tok "] * 6)
+    # A pause between tokens, as decoding takes: the window sees requests in flight.
+    steps: list[Any] = []
+    for step in reply.steps:
+        steps += [step, 0.01]
+    return Reply(steps=steps)
+
+
+def test_interleaved_takes_each_category_in_turn() -> None:
+    assert [s.id for s in interleaved(SAMPLES)[:4]] == ["chat-0", "code-0", "essay-0", "chat-1"]
+
+
+async def test_a_window_sends_the_jobs_requests_at_each_partitions_concurrency() -> None:
+    base = base_body("m", {"temperature": 0.7, "seed": 5,
+                           "extra_body": {"logit_bias": {"2": 4.0}}})
+    async with FakeServer(responder=streaming) as server:
+        window = await measure_window(server.url, SAMPLES, base, {"short": 2, "long": 1},
+                                      seconds=0.6, warmup_s=0.2)
+    bodies = [r.body for r in server.seen]
+    assert server.max_active == 3
+    assert all("seed" not in b for b in bodies)
+    assert all(b["temperature"] == 0.7 and b["logit_bias"] == {"2": 4.0} for b in bodies)
+    by_prompt = {b["messages"][-1]["content"]: b for b in bodies}
+    assert by_prompt["essay prompt 0"]["max_tokens"] == 128
+    assert by_prompt["chat prompt 0"]["max_tokens"] == 64
+    assert by_prompt["chat prompt 0"]["messages"][0] == {"role": "system", "content": "sys chat"}
+    assert window.tok_s > 0 and window.completed > 0 and window.failed == 0
+    assert set(window.lengths) <= {"chat/short", "code/short", "essay/long"}
+    assert all(n == 6 for lengths in window.lengths.values() for n in lengths)
+    speed = window.speed()
+    assert speed is not None and max(b for b, _ in speed.points) <= 3
+
+
+async def test_failed_requests_are_counted_and_a_run_error_stops_the_window() -> None:
+    def refuse(body: dict[str, Any]) -> Reply:
+        return Reply(status=400, body=b'{"error": {"message": "bad", "code": 400}}')
+
+    async with FakeServer(responder=refuse) as server:
+        window = await measure_window(server.url, SAMPLES[:2], {"model": "m"}, {"short": 1},
+                                      seconds=0.2, warmup_s=0.0)
+    assert window.tok_s == 0 and window.failed > 0 and window.errors
+
+    def unknown_model(body: dict[str, Any]) -> Reply:
+        return Reply(status=404, body=b'{"error": {"message": "The model `m` does not exist."}}')
+
+    async with FakeServer(responder=unknown_model) as server:
+        with pytest.raises(RunError):
+            await measure_window(server.url, SAMPLES[:2], {"model": "m"}, {"short": 1},
+                                 seconds=0.3, warmup_s=0.0)
