@@ -258,12 +258,13 @@ class AdaptiveScheduler(Scheduler):
                       f"server queue growing: {load.waiting} waiting")
             c.calm = 0
             c.fast = False
-        elif (c.fast and at_target
+        elif (c.fast and at_target and not self._unanswered(server.url)
               and (load.waiting or 0) <= QUEUE_OK and not new_preempt
               and load.kv_usage is not None and load.kv_usage < FAST_START_KV):
             # Before any length is learned the projection expects every answer to run to
             # max_tokens (or to an earlier run's mean) and all at once: the cache reads
-            # emptier than that, so trust the reading until the first sign of too much.
+            # emptier than that, so trust the reading until the first sign of too much —
+            # a reading taken once everything sent has begun to answer, so it shows it.
             self._set(server.url, c, c.factor * FAST_START_STEP,
                       f"fast start: KV usage {load.kv_usage:.0%}, server queue "
                       f"{load.waiting or 0}, no preemption")
