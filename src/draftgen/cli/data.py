@@ -237,13 +237,15 @@ def export(
     format: Annotated[str, typer.Option(
         help="specforge, sharegpt, parquet or tokens (input_ids + loss_mask)")] = "specforge",
     reasoning: Annotated[str, typer.Option(
-        help="inline (<think>…</think> before the answer), field (reasoning_content) or drop")
+        help="inline (before the answer, as the model's chat template writes it), field "
+             "(reasoning_content) or drop")
     ] = "inline",
     include_truncated: Annotated[bool, typer.Option(help="also export truncated samples")] = False,
     include_flagged: Annotated[bool, typer.Option(
         help="also export samples the output checks flagged")] = False,
     tokenizer: Annotated[str | None, typer.Option(
-        help="tokenizer for --format tokens (default: the job's)")] = None,
+        help="the model's tokenizer and chat template: ids for --format tokens, and how "
+             "every format writes reasoning (default: the job's)")] = None,
     ids: Annotated[str, typer.Option(
         help="draftgen (category-id) or source: the source row's own id where it is unique")
     ] = "draftgen",
