@@ -105,7 +105,8 @@ class Runner:
             plan, escalating = escalate(plan, self.job, store.entries,
                                         rerun=self.opts.rerun_truncated)
             rejected = set(self.opts.redo_configs)
-            known = set((store.read_manifest() or {}).get("configurations") or {})
+            previous = store.read_manifest() or {}  # what earlier runs recorded
+            known = set(previous.get("configurations") or {})
             if unknown := sorted(rejected - known - {UNVERIFIED}):
                 raise JobError(f"--redo-config: no configuration {', '.join(unknown)} in "
                                f"{self.opts.out_dir} (`draftgen status` lists them)")
@@ -130,7 +131,7 @@ class Runner:
                     start = StartUp(self.job, client, self.clock, say=self._say(events))
                     for warning in plan.warnings:
                         start.say(f"warning: {warning}")
-                    saved = (store.read_manifest() or {}).get("context") or {}
+                    saved = previous.get("context") or {}
                     done = {i for i, e in store.entries.items() if e.status == "done"}
                     # As an earlier run decided: what it set aside is not work to wait for.
                     fitted = await start.fit(plan, todo, saved=saved, done=done, quiet=True)
