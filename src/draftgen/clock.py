@@ -70,9 +70,11 @@ class FakeClock:
 
 
 def format_duration(s: float | None) -> str:
-    """A duration for people: 1d01h, 1h01m, 4m05s; "?" when unknown."""
+    """A duration for people: 1d01h, 1h01m, 4m05s, 5.4s; "?" when unknown."""
     if s is None:
         return "?"
+    if s < 60:
+        return f"{s:.1f}s"
     s = int(s)
     if s >= 86400:
         return f"{s // 86400}d{s % 86400 // 3600:02d}h"

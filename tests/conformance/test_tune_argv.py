@@ -124,7 +124,7 @@ def test_every_vllm_candidate_parses_and_means_its_levers(
         assert parsed["error"] is None, f"vLLM refuses {cand.label}: {parsed['error']}"
         got, levers = parsed["args"], cand.levers.changes()
         want: dict[str, Any] = {
-            "max_num_seqs": levers.get("max_running_requests", 64),
+            "max_num_seqs": levers.get("max_running_requests", 8),
             "kv_cache_dtype": levers.get("kv_cache_dtype", "bfloat16"),
             "dtype": levers.get("model_dtype", "bfloat16"),
         }

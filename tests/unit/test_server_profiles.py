@@ -76,7 +76,7 @@ def test_vllm_golden_argv_for_the_local_cpu_example() -> None:
         "--tensor-parallel-size", "1",
         "--kv-cache-dtype", "bfloat16",
         "--dtype", "bfloat16",
-        "--max-num-seqs", "64",
+        "--max-num-seqs", "8",
         "--max-model-len", "4096",
         "--enforce-eager", "--disable-uvicorn-access-log",
     ]  # fmt: skip

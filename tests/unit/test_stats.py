@@ -69,7 +69,8 @@ def test_plain_line_and_table_show_the_numbers() -> None:
     assert "done 0/3" in line and "pending 3" in line and line.endswith("server down")
     assert table(stats.snapshot()).row_count == 1
     assert format_duration(90061) == "1d01h" and format_duration(3700) == "1h01m"
-    assert format_duration(None) == "?"
+    assert format_duration(None) == "?" and format_duration(5.44) == "5.4s"
+    assert format_duration(65.9) == "1m05s"
 
 
 async def test_plain_view_prints_a_line_per_interval() -> None:

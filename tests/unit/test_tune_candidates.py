@@ -49,10 +49,15 @@ def variant(path: Path, tmp_path: Path, **changes: Any) -> ServerProfile:
 
 def test_default_grid_for_the_local_cpu_engine() -> None:
     grid = build_grid(load_profile(LOCAL_CPU), job_concurrency=20, host=NO_RAM)
-    # KV size on the CPU build, the running limit (64 is above the job's 20: doubled), the
-    # prefill chunk (vLLM CPU's default 2048, doubled); no lossy dtype without the override.
-    assert labels(grid) == ["reference", "cpu_kv_gib=2", "max_running_requests=128",
+    # KV size on the CPU build, the running limit (8 is below the job's 20: raised to it),
+    # the prefill chunk (vLLM CPU's default 2048, doubled); no lossy dtype without the
+    # override.
+    assert labels(grid) == ["reference", "cpu_kv_gib=2", "max_running_requests=20",
                             "chunked_prefill=4096"]
+    # At or above the job's concurrency, the limit is doubled.
+    roomy = build_grid(load_profile(LOCAL_CPU).model_copy(update={"max_running_requests": 64}),
+                       job_concurrency=20, host=NO_RAM)
+    assert "max_running_requests=128" in labels(roomy)
     assert grid[0].id == REFERENCE and grid[0].is_reference
 
 
@@ -100,9 +105,9 @@ def test_hicache_default_size_fits_the_host_ram(tmp_path: Path) -> None:
 
 def test_the_tune_section_narrows_the_grid(tmp_path: Path) -> None:
     narrowed = variant(LOCAL_CPU, tmp_path, tune={
-        "max_running_requests": [16, 64], "cpu_kv_gib": [], "chunked_prefill": [],
+        "max_running_requests": [16, 8], "cpu_kv_gib": [], "chunked_prefill": [],
         "prefix_cache": [False], "model_dtype": ["float32"]})
-    # 64 is the reference's own value: no candidate for it.
+    # 8 is the reference's own value: no candidate for it.
     assert labels(build_grid(narrowed, 20, NO_RAM)) == [
         "reference", "max_running_requests=16", "prefix_cache=false", "model_dtype=float32"]
     drafted = variant(LOCAL_CPU, tmp_path, tune={

@@ -142,6 +142,21 @@ async def test_levers_that_helped_are_combined() -> None:
     assert out.best is not None and out.best.origin == "combined"
 
 
+async def test_of_near_equals_the_fewest_changes_win() -> None:
+    # The combined candidate adds a lever that gains nothing beyond the noise (2% faster):
+    # the single lever is the answer. Clearly faster (10%), the combination would be.
+    cands = [candidate_for(Levers()), candidate_for(Levers(max_running_requests=16)),
+             candidate_for(Levers(cpu_kv_gib=2))]
+    combined = "max_running_requests=16, cpu_kv_gib=2"
+    for gain, winner in ((1.02, "max_running_requests=16"), (1.10, combined)):
+        speeds = {"reference": 100.0, "max_running_requests=16": 200.0,
+                  "cpu_kv_gib=2": 108.0, combined: 200.0 * gain}
+        m = FakeMeasure(FakeClock(), speeds)
+        out = await run(cands, m, max_rungs=1)
+        assert m.calls[-1] == (combined, 0)
+        assert out.best is not None and out.best.label == winner, gain
+
+
 async def test_a_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
     store = TuneDir(tmp_path / "t")
     header = {"profile_hash": "abc", "job": "def"}

@@ -104,7 +104,7 @@ def format_table(result: TuneResult) -> str:
     lines = [head]
     for r in result.rows:
         lines.append((
-            r.label[:48], _num(r.rung, "d"), _num(r.kv_tokens, ","),
+            r.label, _num(r.rung, "d"), _num(r.kv_tokens, ","),
             "–" if r.headroom_gib is None else f"{r.headroom_gib:.2f} GiB",
             _num(r.tok_s, ",.1f"), format_duration(r.predicted_s) if r.predicted_s else "–",
             "–" if r.ratio is None else f"{r.ratio:.2f}×", _num(r.probe_kl, ".1e"),

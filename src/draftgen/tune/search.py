@@ -153,14 +153,18 @@ class _Search:
 
     def best(self) -> tuple[Candidate | None, Trial | None, Trial | None]:
         """The leader of the highest rung with a passing candidate paired with the reference,
-        if it beats the reference by the margin."""
+        if it beats the reference by the margin (of near-equals, the fewest changes)."""
         rungs = sorted({r for (c, r) in self.done if c != REFERENCE}, reverse=True)
         for rung in rungs:
             scored = [(r, c) for c in self.order[1:]
                       if (r := self.ratio(c, rung)) is not None]
             if not scored:
                 continue
-            ratio, cid = min(scored)
+            # Within the margin of the fastest, the one that changes fewest levers: a lever
+            # that gains nothing measurable (twice the KV memory, say) is not worth taking.
+            fastest = min(r for r, _ in scored)
+            _, ratio, cid = min((len(self.cands[c].levers.changes()), r, c)
+                                for r, c in scored if r <= fastest + self.opts.margin)
             ref_trial = self.done.get((REFERENCE, rung))
             if ratio <= 1 - self.opts.margin:
                 return self.cands[cid], self.done[(cid, rung)], ref_trial

@@ -75,7 +75,7 @@ class TuneOptions:
 
 
 def default_tune_dir(job: JobSpec, profile: ServerProfile) -> Path:
-    out = job.resolve(job.output)
+    out = job.resolve(job.output).resolve()
     return out.parent / f"{out.name}-tune-{profile.server_name}"
 
 
