@@ -22,8 +22,10 @@ from draftgen.tune.candidates import (
     candidate_for,
     combine,
     is_mla_model,
+    not_binding,
 )
 from draftgen.tune.levers import apply_levers, drop_flag, flag_value, set_flag
+from draftgen.tune.store import Trial
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_CPU = REPO / "examples" / "profiles" / "local-cpu.yaml"
@@ -230,3 +232,28 @@ def test_draft_model_path_resolves_from_the_profile(tmp_path: Path) -> None:
     assert p.tune is not None and p.tune.speculative is not None
     assert p.tune.speculative.draft_model == str(tmp_path / "draft")
     assert sys.executable  # the profile's interpreter default is untouched
+
+
+def reference_trial(**load: object) -> Trial:
+    return Trial(REFERENCE, 0, {}, "reference", "measured", tok_s=100.0, load=dict(load))
+
+
+def test_a_lever_that_did_not_bind_for_the_reference_is_skipped(tmp_path: Path) -> None:
+    grid = {c.label: c for c in build_grid(load_profile(LOCAL_CPU), 20, NO_RAM)}
+    kv, limit = grid["cpu_kv_gib=2"], grid["max_running_requests=20"]
+    chunk = grid["chunked_prefill=4096"]
+    skip = not_binding(load_profile(LOCAL_CPU))
+    idle = reference_trial(kv_peak=0.01, running_peak=5, waiting_peak=0, preempted=0)
+    assert "peaked at 1%" in (skip(kv, idle) or "")
+    assert "at most 5 requests at once, below its limit of 8" in (skip(limit, idle) or "")
+    assert skip(chunk, idle) is None  # nothing in the readings tells
+    # A cache that preempted, or ran near full, binds; a limit reached binds.
+    assert skip(kv, reference_trial(kv_peak=0.3, running_peak=8, preempted=2)) is None
+    assert skip(kv, reference_trial(kv_peak=0.9, running_peak=8, preempted=0)) is None
+    assert skip(limit, reference_trial(kv_peak=0.01, running_peak=8, preempted=0)) is None
+    # Unread load, values the profile asks for, and combinations are always measured.
+    assert skip(kv, Trial(REFERENCE, 0, {}, "reference", "measured")) is None
+    asked = variant(LOCAL_CPU, tmp_path, tune={"cpu_kv_gib": [2]})
+    assert not_binding(asked)(candidate_for(Levers(cpu_kv_gib=2)), idle) is None
+    both = candidate_for(Levers(cpu_kv_gib=2, max_running_requests=20), "combined")
+    assert skip(both, idle) is None

@@ -157,6 +157,29 @@ async def test_of_near_equals_the_fewest_changes_win() -> None:
         assert out.best is not None and out.best.label == winner, gain
 
 
+async def test_a_candidate_the_reference_shows_cannot_pay_is_skipped_not_measured() -> None:
+    def skip(cand: Candidate, ref: Trial) -> str | None:
+        assert ref.candidate == REFERENCE and ref.rung == 0
+        return "not tried: idle" if cand.label == "max_running_requests=32" else None
+
+    m = FakeMeasure(FakeClock(), SPEEDS)
+    sink: list[Trial] = []
+    out = await search(grid(16, 32), m, recorded=[], record=sink.append, objective=objective,
+                       opts=SearchOptions(budget_s=10_000, base_s=10.0, max_rungs=2),
+                       clock=m.clock, skip=skip)
+    assert ("max_running_requests=32", 0) not in m.calls
+    skipped = [t for t in sink if t.status == "skipped"]
+    assert [(t.levers, t.reason, t.cost_s) for t in skipped] == [
+        ({"max_running_requests": 32}, "not tried: idle", 0.0)]
+    assert out.best is not None and out.best.label == "max_running_requests=16"
+    # Resumed, the skip stands as recorded: neither measured nor asked again.
+    m2 = FakeMeasure(FakeClock(), SPEEDS)
+    await search(grid(16, 32), m2, recorded=sink, record=sink.append, objective=objective,
+                 opts=SearchOptions(budget_s=10_000, base_s=10.0, max_rungs=2),
+                 clock=m2.clock, skip=lambda c, r: None)
+    assert m2.calls == []
+
+
 async def test_a_tune_resumes_without_measuring_again(tmp_path: Path) -> None:
     store = TuneDir(tmp_path / "t")
     header = {"profile_hash": "abc", "job": "def"}

@@ -9,6 +9,7 @@ from fakeserver import FakeServer, Reply, completion
 
 from draftgen.errors import RunError
 from draftgen.sample import Message, Sample, base_body
+from draftgen.schedule.readings import ServerLoad
 from draftgen.tune.window import interleaved, measure_window
 
 
@@ -73,3 +74,26 @@ async def test_failed_requests_are_counted_and_a_run_error_stops_the_window() ->
         with pytest.raises(RunError):
             await measure_window(server.url, SAMPLES[:2], {"model": "m"}, {"short": 1},
                                  seconds=0.3, warmup_s=0.0)
+
+
+async def test_a_window_keeps_the_peaks_of_the_servers_load() -> None:
+    # Readings as the load poller gives them: KV usage rising, then a preemption.
+    readings = iter([(0.10, 2, 0, 5), (0.40, 3, 1, 5), (0.35, 3, 4, 7)])
+    seen: list[float] = []
+
+    async def load() -> ServerLoad | None:
+        kv, running, waiting, preempted = next(readings, (0.20, 1, 0, 7))
+        seen.append(kv)
+        return ServerLoad("u", 0.0, 1000, None, kv, running, waiting, preempted, None, None,
+                          "vllm /metrics", ())
+
+    async with FakeServer(responder=streaming) as server:
+        window = await measure_window(server.url, SAMPLES, {"model": "m"}, {"short": 1},
+                                      seconds=1.2, warmup_s=0.1, load=load)
+    assert len(seen) >= 3
+    assert window.kv_peak == 0.40 and window.running_peak == 3 and window.waiting_peak == 4
+    assert window.preempted == 2  # counted from the first reading of the window
+    async with FakeServer(responder=streaming) as server:
+        unread = await measure_window(server.url, SAMPLES[:2], {"model": "m"}, {"short": 1},
+                                      seconds=0.2, warmup_s=0.0)
+    assert unread.kv_peak is None and unread.preempted is None

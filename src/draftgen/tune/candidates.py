@@ -19,6 +19,11 @@ Prefix caching and the compute dtype are tried when the profile's `tune:` sectio
 them; a lever listed there replaces its default values, `[]` drops it, and
 `tune.candidates` replaces the grid. After the first round, `combined` takes the best value
 of every lever that beat the reference and tries them together.
+
+A default candidate whose lever cannot pay, by what the reference's own window showed, is
+skipped (`not_binding`): more KV memory when the reference's cache peaked below
+KV_BINDS with no preemption, a higher running limit when the reference never ran as many
+as its own. Values the profile's `tune:` section asks for are always measured.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from draftgen.servers.preflight import GB, HICACHE_RESERVE_BYTES, gpu_ranks
 from draftgen.servers.profile import ServerProfile
 from draftgen.servers.tuning import Levers, TuneSpace
 from draftgen.tune.levers import CHUNK_FLAG, CPU_KV_ENV, flag_value, speculative_on
+from draftgen.tune.store import Trial
 
 REFERENCE = "reference"
 COMBINED = "combined"
@@ -47,6 +53,11 @@ LEVER_ORDER = (
     "chunked_prefill", "hicache_gb_per_rank", "prefix_cache", "model_dtype", "kv_cache_dtype",
 )  # fmt: skip
 _LOSSY_DEFAULT = {"sglang": "fp8_e4m3", "vllm": "fp8"}
+# KV usage under which a cache that saw no preemption did not bind (a request waits for
+# blocks well before usage reads 100%).
+KV_BINDS = 0.80
+# Levers that only add KV capacity (fp8 KV is not among them: it also reads less memory).
+_KV_SIZE = ("mem_fraction", "cpu_kv_gib", "hicache_gb_per_rank")
 
 
 @dataclass(frozen=True)
@@ -219,3 +230,29 @@ def combine(candidates: Sequence[Candidate], better: Callable[[Candidate], float
         return None
     merged = Levers.model_validate({k: v for k, (_, v) in best.items()})
     return candidate_for(merged, COMBINED)
+
+
+def not_binding(reference: ServerProfile) -> Callable[[Candidate, Trial], str | None]:
+    """Why a default candidate cannot pay, from the reference's first trial (see above)."""
+    space = reference.tune or TuneSpace()
+
+    def why(cand: Candidate, ref: Trial) -> str | None:
+        changes = cand.levers.changes()
+        if cand.origin != "grid" or len(changes) != 1 or ref.load is None:
+            return None
+        (lever, value), = changes.items()
+        if getattr(space, lever, None) is not None:
+            return None  # asked for by the profile
+        kv, preempted = ref.load.get("kv_peak"), ref.load.get("preempted")
+        if lever in _KV_SIZE and (lever != "hicache_gb_per_rank" or value) \
+                and kv is not None and kv < KV_BINDS and not preempted:
+            return (f"not tried: the reference's KV cache peaked at {kv:.0%} with no "
+                    "preemption, so more KV cannot pay")
+        running, limit = ref.load.get("running_peak"), reference.max_running_requests
+        if lever == "max_running_requests" and limit is not None and isinstance(value, int) \
+                and value > limit and running is not None and running < limit:
+            return (f"not tried: the reference ran at most {running} requests at once, "
+                    f"below its limit of {limit}")
+        return None
+
+    return why

@@ -18,12 +18,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import DiskError, DraftgenError, JobError, RequestError
 from draftgen.planning.calibrate import capacity_of
 from draftgen.probe.drift import ProbeThresholds
 from draftgen.probe.servers import ProbeError
 from draftgen.sample import Message, Sample
+from draftgen.schedule.load import LoadPoller
 from draftgen.servers.base import ServerInfoError
 from draftgen.servers.gpu import min_headroom_gib
 from draftgen.servers.launcher import LaunchError, averify, start, stop, wait_ready
@@ -129,14 +132,20 @@ class Measurer:
                 kv_dtype=verified.info.kv_dtype, summary=verified.summary,
                 headroom_gib=min_headroom_gib(verified.gpus))
             status, reason = await self._probe(cand, rung, handle.url, fields)
-            window = await measure_window(handle.url, s.samples, s.base, s.concurrency,
-                                          seconds=seconds, warmup_s=s.warmup_s,
-                                          api_key=s.api_key, clock=s.clock)
+            async with aiohttp.ClientSession() as session:
+                poller = LoadPoller(session, handle.url, clock=s.clock)
+                window = await measure_window(handle.url, s.samples, s.base, s.concurrency,
+                                              seconds=seconds, warmup_s=s.warmup_s,
+                                              api_key=s.api_key, clock=s.clock,
+                                              load=poller.poll)
         finally:
             await asyncio.to_thread(stop, handle.dir)
         speed = window.speed()
         fields.update(tok_s=round(window.tok_s, 2), completed=window.completed,
                       lengths=window.lengths,
+                      load={"kv_peak": window.kv_peak, "running_peak": window.running_peak,
+                            "waiting_peak": window.waiting_peak,
+                            "preempted": window.preempted},
                       speed=[[round(b, 3), round(r, 3)] for b, r in speed.points]
                       if speed else None)
         if window.tok_s <= 0 and status == "measured":

@@ -32,7 +32,7 @@ class Row:
     candidate: str
     label: str
     origin: str
-    status: str  # measured, rejected, failed, refused, or "not measured"
+    status: str  # measured, rejected, failed, refused, skipped, or "not measured"
     rung: int | None = None
     kv_tokens: int | None = None
     headroom_gib: float | None = None
@@ -84,7 +84,8 @@ def build_rows(candidates: Sequence[Candidate], trials: Sequence[Trial],
         ratio = predicted / ref_value if predicted and ref_value else None
         probe = first.probe or {}
         verdict = ("reference" if c.id == REFERENCE else
-                   "pass" if probe.get("passed") else "FAIL" if probe else "-")
+                   "pass" if probe.get("passed") else "FAIL" if probe else
+                   "skipped" if last.status == "skipped" else "-")
         rows.append(Row(
             c.id, c.label, c.origin, last.status, last.rung, first.kv_tokens,
             first.headroom_gib, last.tok_s, first.tok_s, predicted, ratio,

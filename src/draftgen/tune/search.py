@@ -9,7 +9,8 @@ passed the probe and were not clearly slower than the reference — and the refe
 so that every comparison is paired, measured alike and close in time. It ends when a rung
 measured a single candidate, after `max_rungs`, or when the next trial would overrun the
 budget (its window plus the slowest launch seen so far). The reference's first trial always
-runs.
+runs; a candidate that `skip` says cannot pay, from what the reference's window showed, is
+recorded as skipped instead of measured.
 
 Every trial is recorded as it ends (`record`), and a trial found among `recorded` is
 reused, never measured again: a tune stopped anywhere continues where it stopped, and its
@@ -29,6 +30,8 @@ from draftgen.tune.store import Trial
 
 # (candidate, rung, seconds to measure) -> its trial, failures included.
 MeasureFn = Callable[[Candidate, int, float], Awaitable[Trial]]
+# Why a candidate need not be measured, given the reference's first trial; None: measure it.
+SkipFn = Callable[[Candidate, Trial], str | None]
 # A trial's predicted duration of the whole job, given every trial so far (their pooled
 # answer lengths); None when it cannot be told.
 Objective = Callable[[Trial, Sequence[Trial]], float | None]
@@ -64,8 +67,9 @@ class SearchOutcome:
 class _Search:
     def __init__(self, grid: Sequence[Candidate], measure: MeasureFn, recorded: Sequence[Trial],
                  record: Callable[[Trial], None], objective: Objective, opts: SearchOptions,
-                 clock: Clock) -> None:
+                 clock: Clock, skip: SkipFn | None) -> None:
         self.cands = {c.id: c for c in grid}
+        self.skip = skip
         self.order = [c.id for c in grid]
         self.measure, self.record, self.objective = measure, record, objective
         self.opts, self.clock = opts, clock
@@ -95,6 +99,12 @@ class _Search:
         self.record(t)
         self.done[(cand.id, rung)] = t
         return t
+
+    def _skipped(self, cand: Candidate, why: str) -> None:
+        t = Trial(cand.id, 0, cand.levers.changes(), cand.origin, "skipped", reason=why,
+                  finished_at=self.clock.time())
+        self.record(t)
+        self.done[(cand.id, 0)] = t
 
     def value(self, cid: str, rung: int) -> float | None:
         t = self.done.get((cid, rung))
@@ -128,7 +138,11 @@ class _Search:
         if first is None or not first.usable:
             return 0
         for cid in self.order[1:]:
-            await self.trial(self.cands[cid], 0)
+            why = self.skip(self.cands[cid], first) if self.skip is not None else None
+            if why is not None and (cid, 0) not in self.done:
+                self._skipped(self.cands[cid], why)
+            else:
+                await self.trial(self.cands[cid], 0)
         if self.opts.combine:
             # Listed even when the budget is out: the table shows what would have been next.
             extra = self._combined_candidate()
@@ -174,11 +188,11 @@ class _Search:
 
 async def search(grid: Sequence[Candidate], measure: MeasureFn, *, recorded: Sequence[Trial],
                  record: Callable[[Trial], None], objective: Objective, opts: SearchOptions,
-                 clock: Clock = REAL_CLOCK) -> SearchOutcome:
+                 clock: Clock = REAL_CLOCK, skip: SkipFn | None = None) -> SearchOutcome:
     """Run the search (see the module docstring); `grid[0]` must be the reference."""
     if not grid or not grid[0].is_reference:
         raise ValueError("the grid must start with the reference")
-    s = _Search(grid, measure, recorded, record, objective, opts, clock)
+    s = _Search(grid, measure, recorded, record, objective, opts, clock, skip)
     await s.run()
     best, best_trial, ref_trial = s.best()
     measured = {c for (c, _) in s.done}

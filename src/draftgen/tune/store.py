@@ -31,8 +31,10 @@ REFERENCE_PROBE = "reference_probe.json"
 # measured: launched, verified, probed (or the reference) and measured; rejected: the probe
 # failed (it was measured all the same, to show what the loss would have bought); failed:
 # it did not start, answer or measure; refused: never launched (quality policy, preflight,
-# a lever the profile cannot take).
-Status = Literal["measured", "rejected", "failed", "refused"]
+# a lever the profile cannot take); skipped: not tried, since the reference's window showed
+# that what the lever changes did not bind (a KV cache far from full, a running limit never
+# reached).
+Status = Literal["measured", "rejected", "failed", "refused", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Trial:
     completed: int = 0
     # mean_kl, p95_kl, top1_agreement, exact_match_rate, positions, passed, failures.
     probe: dict[str, Any] | None = None
+    # The server's load in the window: kv_peak (0..1), running_peak, waiting_peak, preempted.
+    load: dict[str, Any] | None = None
     finished_at: float = 0.0
 
     @property

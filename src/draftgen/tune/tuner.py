@@ -32,7 +32,13 @@ from draftgen.servers.install import detect_install
 from draftgen.servers.policy import check_profile
 from draftgen.servers.preflight import read_available_memory
 from draftgen.servers.profile import ServerProfile, load_profile, profile_hash
-from draftgen.tune.candidates import REFERENCE, HostFacts, build_grid, is_mla_model
+from draftgen.tune.candidates import (
+    REFERENCE,
+    HostFacts,
+    build_grid,
+    is_mla_model,
+    not_binding,
+)
 from draftgen.tune.levers import apply_levers
 from draftgen.tune.measure import Measurer, MeasureSettings
 from draftgen.tune.predict import JobModel
@@ -140,7 +146,7 @@ async def tune(profile_path: Path, job: JobSpec, opts: TuneOptions) -> TuneResul
         opts=SearchOptions(budget_s=opts.budget_s, base_s=opts.measure_s, eta=opts.eta,
                            max_rungs=opts.max_rungs, margin=opts.margin,
                            combine=space.combine if space is not None else True),
-        clock=opts.clock)
+        clock=opts.clock, skip=not_binding(reference))
     return _result(profile_path, job, reference, store, outcome, model, opts)
 
 

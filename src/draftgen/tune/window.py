@@ -8,7 +8,9 @@ requests that are preempted or prefilled in chunks. After `warmup_s`, the output
 streamed during `seconds` give the window's tok/s; every request's decode interval (first
 token to its end, or to the window's end) gives decode speed against batch size for the
 capacity model (`planning.measured.speed_from_intervals`), and finished answers their
-lengths.
+lengths. Where `load` reads the server's load (`schedule.load.LoadPoller.poll`), the
+window also keeps what bound it: the peak KV usage, the most requests running and waiting,
+and the preemptions — whether a lever on KV memory or the running limit can pay.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,9 @@ from draftgen.errors import RequestError, RunError
 from draftgen.planning.measured import speed_from_intervals
 from draftgen.planning.workload import DecodeSpeed
 from draftgen.sample import Sample, request_body
+from draftgen.schedule.readings import ServerLoad
+
+LOAD_EVERY_S = 0.5
 
 
 @dataclass
@@ -39,7 +44,21 @@ class Window:
     intervals: list[tuple[float, float, int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     streamed: int = 0  # output tokens streamed so far, all requests
+    # What the server's load readings showed during the measured seconds (None: unread).
+    kv_peak: float | None = None
+    running_peak: int | None = None
+    waiting_peak: int | None = None
+    preempted: int | None = None
 
+    def saw(self, load: ServerLoad, first: ServerLoad | None) -> None:
+        if load.kv_usage is not None:
+            self.kv_peak = max(self.kv_peak or 0.0, load.kv_usage)
+        if load.running is not None:
+            self.running_peak = max(self.running_peak or 0, load.running)
+        if load.waiting is not None:
+            self.waiting_peak = max(self.waiting_peak or 0, load.waiting)
+        if first is not None and None not in (load.preemptions_total, first.preemptions_total):
+            self.preempted = (load.preemptions_total or 0) - (first.preemptions_total or 0)
 
     def speed(self) -> DecodeSpeed | None:
         return speed_from_intervals({"server": self.intervals})
@@ -61,7 +80,9 @@ def group_key(sample: Sample) -> str:
 
 async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str, Any],
                          concurrency: Mapping[str, int], *, seconds: float, warmup_s: float,
-                         api_key: str | None = None, clock: Clock = REAL_CLOCK) -> Window:
+                         api_key: str | None = None, clock: Clock = REAL_CLOCK,
+                         load: Callable[[], Awaitable[ServerLoad | None]] | None = None
+                         ) -> Window:
     """Send the job's samples to `url` for `warmup_s + seconds` (see the module docstring).
 
     A run-level error (refused key, unknown model) is raised; a failed request is counted.
@@ -107,6 +128,8 @@ async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str,
         try:
             await clock.sleep(warmup_s)
             before = window.streamed
+            if load is not None:
+                tasks.append(asyncio.create_task(_watch(window, load, clock)))
             await clock.sleep(seconds)
             window.tok_s = (window.streamed - before) / seconds if seconds > 0 else 0.0
             for t in tasks:
@@ -139,6 +162,18 @@ class _Stream:
     def close(self, end: float) -> None:
         if self.first is not None and self.tokens > 1 and end > self.first:
             self.window.intervals.append((self.first, end, self.tokens))
+
+
+async def _watch(window: Window, load: Callable[[], Awaitable[ServerLoad | None]],
+                 clock: Clock) -> None:
+    """The server's load every LOAD_EVERY_S until cancelled (a missed reading is skipped)."""
+    first: ServerLoad | None = None
+    while True:
+        reading = await load()
+        if reading is not None:
+            first = first or reading
+            window.saw(reading, first)
+        await clock.sleep(LOAD_EVERY_S)
 
 
 def _shared(source: Iterator[Sample]) -> Iterator[Sample]:
