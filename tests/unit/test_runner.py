@@ -16,8 +16,11 @@ from draftgen.errors import JobChangedError
 from draftgen.export import ExportOptions, export_run
 from draftgen.job import load_job
 from draftgen.reporting.status import read_status
+from draftgen.running import runner as runner_module
 from draftgen.running.runner import RunOptions, run_job
+from draftgen.running.state import RunState
 from draftgen.schedule import adaptive
+from draftgen.schedule.base import Scheduler
 
 JOB = """
 model: fake
@@ -349,3 +352,43 @@ async def test_requests_waiting_beyond_the_servers_running_limit_are_called_back
     # The first burst (30) was more than 4 + 2; what came back was sent again.
     assert len(sent) > 40
     assert collections.Counter(sent).most_common(1)[0][1] == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("scheduler", ["static", "adaptive"])
+async def test_a_request_called_back_before_its_task_starts_is_sent_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scheduler: str) -> None:
+    """A call-back (or a hang, or a stop) can cancel a request task in the same turn of the
+    event loop that created it, before its first step: its body never runs. What was taken
+    for it is released all the same and the sample goes back to its queue — on the local
+    engine such a call-back left five samples "in flight" forever (the run hung)."""
+    states: list[RunState] = []
+
+    class Recorded(RunState):
+        def __init__(self) -> None:
+            super().__init__()
+            states.append(self)
+
+    monkeypatch.setattr(runner_module, "RunState", Recorded)
+    started = Scheduler.started
+    called_back: list[str] = []
+
+    def started_then_called_back(self: Scheduler, sample: Any, server: Any) -> Any:
+        flight = started(self, sample, server)
+        if len(called_back) < 3:
+            # Queued now, this runs after dispatch created the task and before its first step.
+            called_back.append(sample.id)
+            asyncio.get_running_loop().call_soon(states[-1].recall, [sample.id])
+        return flight
+
+    monkeypatch.setattr(Scheduler, "started", started_then_called_back)
+    job = make_job(tmp_path, rows(10), conc=4, extra=f"scheduler: {scheduler}\n")
+    async with FakeServer(responder=echo) as server:
+        summary = await run(job, server)
+    assert (summary.done, summary.failed, summary.pending) == (10, 0, 0)
+    assert len(called_back) == 3
+    recs = [orjson.loads(x) for p in sorted((tmp_path / "out" / "shards").glob("*"))
+            for x in p.read_bytes().splitlines()]
+    assert sorted(r["id"] for r in recs) == sorted(f"chat-{i}" for i in range(10))
+    sent = [last_user(s.body) for s in server.seen if last_user(s.body) != "ping"]
+    assert sorted(sent) == sorted(f"question {i}" for i in range(10))  # none sent twice

@@ -9,6 +9,7 @@ back, a first token arrives, a load reading, a server comes up, or the run stops
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Iterable, Mapping
 
@@ -69,3 +70,5 @@ class Dispatcher:
             server.tasks.add(task)
             task.add_done_callback(server.tasks.discard)
             task.add_done_callback(state.forget)
+            task.add_done_callback(functools.partial(requester.settle, flight=flight,
+                                                     server=server, queue=queue))

@@ -23,7 +23,7 @@ from draftgen.job import JobSpec
 from draftgen.running.retry import Backoff, with_retries
 from draftgen.running.state import PartitionQueue, RunState
 from draftgen.running.stats import RunStats
-from draftgen.sample import Failure, Record, Turn, base_body, request_body
+from draftgen.sample import Failure, Record, Sample, Turn, base_body, request_body
 from draftgen.schedule.base import Flight, Scheduler
 from draftgen.schedule.pool import ServerPool, ServerState
 from draftgen.store.writer import OutcomeWriter
@@ -59,8 +59,36 @@ class Requester:
         self._backoff = Backoff(retry.backoff_base_s, retry.backoff_max_s, retry.max_attempts)
         self._max_outage_requeues = job.client.max_outage_requeues
         self._rng = random.Random()
+        self._begun: set[asyncio.Task[None]] = set()  # tasks whose `send` has started
+
+    def settle(self, task: asyncio.Task[None], flight: Flight, server: ServerState,
+               queue: PartitionQueue) -> None:
+        """Done callback of every request task. One cancelled before its first step (called
+        back, or cut off by a hang or a stop, the moment it was created) never ran `send`,
+        nor its `finally`: release what was taken for it here, and put a called-back sample
+        back at the front of its queue (at a stop it stays pending in the plan)."""
+        if task in self._begun:
+            self._begun.discard(task)
+            return
+        self._release(flight.sample, server, queue, None)
+        self._stats.cancelled(flight.sample.category)
+        if task in self._state.requeue:
+            self._state.requeue.discard(task)
+            queue.samples.appendleft(flight.sample)
+
+    def _release(self, sample: Sample, server: ServerState, queue: PartitionQueue,
+                 outcome: Record | Failure | None) -> None:
+        server.in_flight -= 1
+        self._pool.progress(server)
+        queue.in_flight -= 1
+        self._scheduler.ended(sample, server, outcome.output_tokens
+                              if isinstance(outcome, Record) else None)
+        self._state.wake.set()
 
     async def send(self, flight: Flight, server: ServerState, queue: PartitionQueue) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._begun.add(task)  # from here on, `finally` below releases it
         sample = flight.sample
         outcome: Record | Failure | None = None
         try:
@@ -72,19 +100,13 @@ class Requester:
             self._state.request_stop(f"{server.url}: {e}", exit_code=1)
             self._state.cancel_in_flight(but=asyncio.current_task())
         except asyncio.CancelledError:
-            task = asyncio.current_task()
             if task is None or task not in self._state.requeue:
                 self._stats.cancelled(sample.category)
                 raise
             self._state.requeue.discard(task)
             task.uncancel()
         finally:
-            server.in_flight -= 1
-            self._pool.progress(server)
-            queue.in_flight -= 1
-            self._scheduler.ended(sample, server, outcome.output_tokens
-                                  if isinstance(outcome, Record) else None)
-            self._state.wake.set()
+            self._release(sample, server, queue, outcome)
         if outcome is None:
             # Cut off by an outage or a hang: back to the front, no retry charged.
             self._stats.cancelled(sample.category)
