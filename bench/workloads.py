@@ -177,7 +177,7 @@ async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float
         async with aiohttp.ClientSession() as session:
             poller = LoadPoller(session, url, clock=REAL_CLOCK)
             before = await metrics(session, url)
-            polls: list[tuple[float, int, float]] = []  # (t, waiting, kv usage)
+            polls: list[tuple[float, int, float, int]] = []  # (t, waiting, kv, running)
             done = asyncio.Event()
 
             async def sample() -> None:
@@ -185,7 +185,7 @@ async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float
                     load = await poller.poll()
                     if load is not None:
                         polls.append((time.monotonic(), load.waiting or 0,
-                                      load.kv_usage or 0.0))
+                                      load.kv_usage or 0.0, load.running or 0))
                     await asyncio.sleep(0.25)
 
             sampler = asyncio.create_task(sample())
@@ -202,36 +202,47 @@ async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float
     tokens = sum(t["completion_tokens"] for r in recs for t in r["turns"])
     ttfts = sorted(r["turns"][0]["ttft_s"] or 0.0 for r in recs)
     steps = after["steps"] - before["steps"]
-    early = [kv for t, _, kv in polls if t - t0 <= 10.0]
+    early = [kv for t, _, kv, _ in polls if t - t0 <= 10.0]
     return {
         "tok_s": tokens / wall,
         "tok_step": (after["gen"] - before["gen"]) / steps if steps else 0.0,
-        "queue": statistics.mean(w for _, w, _ in polls) if polls else 0.0,
+        "queue": statistics.mean(p[1] for p in polls) if polls else 0.0,
+        # Requests running at the server, mean over the readings (the slots a size fills).
+        "running": statistics.mean(p[3] for p in polls) if polls else 0.0,
         "preempt": after["preempt"] - before["preempt"],
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else 0.0,
         "kv10": statistics.mean(early) if early else 0.0,
     }
 
 
-def report(shape: str, size: str, runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+def report(shape: str, size: str, runs: dict[str, list[dict[str, float]]]
+           ) -> list[dict[str, Any]]:
+    """One row per adaptive setting (a variant too), against the best static."""
     med = {s: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for s, rs in runs.items()}
     statics = [s for s in med if not s.startswith("adaptive")]
     best = max(statics, key=lambda s: med[s]["tok_step"])
-    a = runs["adaptive"]
-    row = {"shape": shape, "size": size, "best": best,
-           "tok_step": paired(a, runs[best], "tok_step"), "wall": paired(a, runs[best], "tok_s"),
-           "kv10": med["adaptive"]["kv10"], "kv10_best": med[best]["kv10"]}
-    if "150/32" in runs:
-        for k in ("queue", "ttft_p99", "preempt"):
-            base = med["150/32"][k]
-            row[k] = med["adaptive"][k] / base if base else float("nan")
-    print(f"\n{shape} / {size}: medians of {len(a)} interleaved repeats", flush=True)
-    print("| setting | wall tok/s | tok/step | queue | preempt | p99 TTFT s | KV first 10 s |")
-    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for s in (s for s in med if s.startswith("adaptive")):
+        a = runs[s]
+        row = {"shape": shape, "size": size, "setting": s, "best": best,
+               "tok_step": paired(a, runs[best], "tok_step"),
+               "wall": paired(a, runs[best], "tok_s"),
+               "kv10": med[s]["kv10"], "kv10_best": med[best]["kv10"]}
+        if "150/32" in runs:
+            for k in ("queue", "ttft_p99", "preempt"):
+                base = med["150/32"][k]
+                row[k] = med[s][k] / base if base else float("nan")
+        rows.append(row)
+    print(f"\n{shape} / {size}: medians of {len(runs[statics[0]])} interleaved repeats",
+          flush=True)
+    print("| setting | wall tok/s | tok/step | queue | running | preempt | p99 TTFT s | "
+          "KV first 10 s |")
+    print("|---|---|---|---|---|---|---|---|")
     for s, m in med.items():
         print(f"| {s} | {m['tok_s']:,.0f} | {m['tok_step']:.2f} | {m['queue']:.1f} | "
-              f"{m['preempt']:.0f} | {m['ttft_p99']:.2f} | {m['kv10']:.2f} |", flush=True)
-    return row
+              f"{m['running']:.1f} | {m['preempt']:.0f} | {m['ttft_p99']:.2f} | "
+              f"{m['kv10']:.2f} |", flush=True)
+    return rows
 
 
 async def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -249,7 +260,7 @@ async def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                               f"{m['preempt']:.0f} preempted, p99 TTFT {m['ttft_p99']:.2f}"
                               f" s, KV first 10 s {m['kv10']:.2f}", file=sys.stderr,
                               flush=True)
-                rows.append(report(shape, size, runs))
+                rows += report(shape, size, runs)
     return rows
 
 
@@ -268,14 +279,15 @@ def main() -> None:
     rows = asyncio.run(suite(args))
     print(f"\nadaptive vs the best static (by tok/step), paired medians; "
           f"{(time.time() - started) / 60:.0f} min")
-    print("| shape | size | best static | tok/step (>= 0.98) | wall (>= 0.97) | "
+    print("| shape | size | setting | best static | tok/step (>= 0.98) | wall (>= 0.97) | "
           "KV first 10 s (best static's) | queue vs 150/32 (<= 0.10) | p99 TTFT (<= 0.10) "
           "| preempt (<= 0.70) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         extra = " | ".join(f"{r[k]:.3f}x" if k in r and r[k] == r[k] else "n/a"
                            for k in ("queue", "ttft_p99", "preempt"))
-        print(f"| {r['shape']} | {r['size']} | {r['best']} | {r['tok_step']:.3f}x | "
+        print(f"| {r['shape']} | {r['size']} | {r['setting']} | {r['best']} | "
+              f"{r['tok_step']:.3f}x | "
               f"{r['wall']:.3f}x | {r['kv10']:.2f} ({r['kv10_best']:.2f}) | {extra} |")
 
 

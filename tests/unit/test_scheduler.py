@@ -476,6 +476,22 @@ def test_a_queue_with_the_cache_full_is_no_evidence_of_a_running_limit() -> None
     assert any("the cache binds, not a running limit" in m for m in logs)
 
 
+def test_a_first_burst_still_being_admitted_is_no_evidence_of_a_running_limit() -> None:
+    """Seen on the local engine (--max-num-seqs 16): a burst of 27 reads 8, then 11
+    running with 16 waiting and the cache nearly empty while the engine admits it. A limit
+    holds the count still; only the same count with a queue on consecutive readings is one."""
+    sched, server, q, logs = roomy()
+    q.fill([server])
+    for running in (8, 11, 14):
+        sched.on_load(server, load("a", capacity=100_000, running=running, waiting=12,
+                                   usage=0.04))
+    assert sched.control("a").max_running is None
+    assert not any("runs at most" in m for m in logs)
+    sched.on_load(server, load("a", capacity=100_000, running=14, waiting=12, usage=0.04))
+    assert sched.control("a").max_running == 14
+    assert "runs at most 14 requests at once" in logs[-1]
+
+
 def test_fast_start_trusts_a_low_kv_reading_until_the_first_sign_of_too_much() -> None:
     sched, server, logs = full()
     # Nothing learned: the projection expects every answer to run to max_tokens at once,

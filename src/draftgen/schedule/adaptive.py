@@ -79,7 +79,7 @@ SETTLE = 2
 # server's KV usage reads under FAST_START_KV with no queue and no preemption.
 FAST_START_STEP = 1.25
 FAST_START_KV = 0.80
-FAST_START_RESET = True  # back to ×1.0 once lengths are learned
+FAST_START_KEEP = 0.0  # share of the margin above ×1.0 kept once lengths are learned
 STEPS = 16  # look-ahead points over the longest max_tokens
 TAIL_QUANTILE = 0.99  # the length a partition's last answers may run to
 
@@ -98,7 +98,8 @@ class _ServerControl:
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
-    slot_evidence: int = 0  # readings in a row showing a queue with room in the cache
+    slot_evidence: int = 0  # readings in a row: a queue, room in the cache, `slot_running`
+    slot_running: int = 0
     fast: bool = True  # fast start: until the first back-off
 
     @property
@@ -240,9 +241,9 @@ class AdaptiveScheduler(Scheduler):
             # The fast start corrected a prior that expected every answer to run to
             # max_tokens; the lengths learned now replace it, and so the correction goes.
             c.fast = False
-            if FAST_START_RESET and c.factor > 1.0:
-                self._set(server.url, c, 1.0, "lengths learned: the fast start's margin "
-                                              "is no longer needed")
+            if c.factor > 1.0:
+                self._set(server.url, c, 1.0 + FAST_START_KEEP * (c.factor - 1.0),
+                          "lengths learned: the fast start's margin is no longer needed")
         target = c.capacity * c.factor
         at_target = max(self._projection(server.url)) >= 0.9 * target
         c.calm += 1
@@ -307,7 +308,9 @@ class AdaptiveScheduler(Scheduler):
                           "the cache binds, not a running limit")
             c.slot_evidence = 0
             return
-        c.slot_evidence += 1
+        # A limit holds the count still; a first burst still being prefilled raises it.
+        c.slot_evidence = c.slot_evidence + 1 if running == c.slot_running else 1
+        c.slot_running = running
         if c.slot_evidence >= SLOT_READINGS and running != c.max_running:
             c.max_running = running
             self._log(f"{url}: runs at most {running} requests at once ({waiting} waiting "
