@@ -155,6 +155,12 @@ async def test_of_near_equals_the_fewest_changes_win() -> None:
         out = await run(cands, m, max_rungs=1)
         assert m.calls[-1] == (combined, 0)
         assert out.best is not None and out.best.label == winner, gain
+    # A near-equal that does not itself beat the reference by the margin is no answer.
+    two = candidate_for(Levers(max_running_requests=16, cpu_kv_gib=2), "listed")
+    speeds = {"reference": 100.0, "max_running_requests=16": 101.5, two.label: 104.2}
+    m = FakeMeasure(FakeClock(), speeds)
+    out = await run([cands[0], cands[1], two], m, max_rungs=1, combine=False)
+    assert out.best is not None and out.best.label == two.label
 
 
 async def test_a_candidate_the_reference_shows_cannot_pay_is_skipped_not_measured() -> None:

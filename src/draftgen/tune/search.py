@@ -174,15 +174,16 @@ class _Search:
                       if (r := self.ratio(c, rung)) is not None]
             if not scored:
                 continue
+            ref_trial = self.done.get((REFERENCE, rung))
+            winners = [(r, c) for r, c in scored if r <= 1 - self.opts.margin]
+            if not winners:
+                return None, None, ref_trial
             # Within the margin of the fastest, the one that changes fewest levers: a lever
             # that gains nothing measurable (twice the KV memory, say) is not worth taking.
-            fastest = min(r for r, _ in scored)
-            _, ratio, cid = min((len(self.cands[c].levers.changes()), r, c)
-                                for r, c in scored if r <= fastest + self.opts.margin)
-            ref_trial = self.done.get((REFERENCE, rung))
-            if ratio <= 1 - self.opts.margin:
-                return self.cands[cid], self.done[(cid, rung)], ref_trial
-            return None, None, ref_trial
+            fastest = min(r for r, _ in winners)
+            _, _, cid = min((len(self.cands[c].levers.changes()), r, c)
+                            for r, c in winners if r <= fastest + self.opts.margin)
+            return self.cands[cid], self.done[(cid, rung)], ref_trial
         return None, None, self.done.get((REFERENCE, 0))
 
 
