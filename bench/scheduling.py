@@ -127,7 +127,8 @@ poll_interval_s: 0.5
 
 FIGURES = {"vllm:generation_tokens_total": "gen", "vllm:iteration_tokens_total_count": "steps",
            "vllm:num_preemptions_total": "preempt", "vllm:kv_cache_usage_perc": "kv",
-           "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+           "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:prompt_tokens_total": "prompt", "vllm:prefix_cache_hits_total": "hits"}
 
 
 async def metrics(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
