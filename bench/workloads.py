@@ -31,6 +31,7 @@ import asyncio
 import math
 import platform
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -198,6 +199,8 @@ async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float
         assert summary.pending == 0 and summary.failed == 0, summary.line()
         recs = [orjson.loads(x) for p in sorted((out / "shards").glob("*"))
                 for x in p.read_bytes().splitlines()]
+        # The running limits adaptive learned, in order (the scheduler's own log lines).
+        limits = re.findall(rb"runs at most (\d+) requests", (out / "events.jsonl").read_bytes())
     recs = [r for r in recs if r["finished_at"] >= time.time() - wall - 1]  # this run's
     tokens = sum(t["completion_tokens"] for r in recs for t in r["turns"])
     ttfts = sorted(r["turns"][0]["ttft_s"] or 0.0 for r in recs)
@@ -214,6 +217,7 @@ async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float
         "kv10": statistics.mean(early) if early else 0.0,
         # Prompt tokens the engine computed (not found in its prefix cache), thousands.
         "prefill_k": (after["prompt"] - before["prompt"] - after["hits"] + before["hits"]) / 1e3,
+        "limit": float(limits[-1]) if limits else 0.0,  # the last one learned; 0: none
     }
 
 
@@ -261,7 +265,8 @@ async def suite(args: argparse.Namespace) -> list[dict[str, Any]]:
                               f"{m['tok_step']:.2f} tok/step, queue {m['queue']:.1f}, "
                               f"{m['preempt']:.0f} preempted, p99 TTFT {m['ttft_p99']:.2f}"
                               f" s, KV first 10 s {m['kv10']:.2f}, prefill "
-                              f"{m['prefill_k']:.1f}K", file=sys.stderr,
+                              f"{m['prefill_k']:.1f}K, limit learned {m['limit']:.0f}",
+                              file=sys.stderr,
                               flush=True)
                 rows += report(shape, size, runs)
     return rows
