@@ -50,14 +50,15 @@ class Window:
     waiting_peak: int | None = None
     preempted: int | None = None
 
-    def saw(self, load: ServerLoad, first: ServerLoad | None) -> None:
+    def saw(self, load: ServerLoad, first: ServerLoad) -> None:
+        """One reading; `first` is the window's first, from which preemptions count."""
         if load.kv_usage is not None:
             self.kv_peak = max(self.kv_peak or 0.0, load.kv_usage)
         if load.running is not None:
             self.running_peak = max(self.running_peak or 0, load.running)
         if load.waiting is not None:
             self.waiting_peak = max(self.waiting_peak or 0, load.waiting)
-        if first is not None and None not in (load.preemptions_total, first.preemptions_total):
+        if None not in (load.preemptions_total, first.preemptions_total):
             self.preempted = (load.preemptions_total or 0) - (first.preemptions_total or 0)
 
     def speed(self) -> DecodeSpeed | None:
