@@ -135,11 +135,11 @@ async def run_and_measure(job: JobSpec, url: str, out: Path) -> dict[str, Any]:
     for e in entries.values():
         if e.status != "done" or e.shard is None:
             continue
-        rec = read_at(out, e.shard, e.off, e.len, files)
+        rec = read_at(out, e.shard, e.offset, e.length, files)
         dur = sum(float(t["duration_s"]) for t in rec["turns"])
         starts.append(rec["finished_at"] - dur)
         ends.append(rec["finished_at"])
-        tokens += e.otok
+        tokens += e.output_tokens
     for f in files.values():
         f.close()
     span = max(ends) - min(starts)
@@ -162,7 +162,7 @@ async def run_and_measure(job: JobSpec, url: str, out: Path) -> dict[str, Any]:
 def actual_outputs(out: Path, samples: list[Sample]) -> tuple[int, ...]:
     """The output length each sample really had in a finished run."""
     _, entries = current_entries(out)
-    return tuple(entries[s.id].otok for s in samples)
+    return tuple(entries[s.id].output_tokens for s in samples)
 
 
 def row_of(pred: Prediction) -> dict[str, Any]:

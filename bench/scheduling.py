@@ -53,6 +53,7 @@ from unittest import mock
 import aiohttp
 import orjson
 
+from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
@@ -60,7 +61,6 @@ from draftgen.planning.calibrate import parse_metrics
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, request_body
 from draftgen.schedule import adaptive
-from draftgen.schedule.load import LoadPoller
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPICS = ["rivers", "primes", "sorting", "bread", "volcanoes", "chess", "tides", "glass"]

@@ -47,12 +47,12 @@ import aiohttp
 import orjson
 from scheduling import metrics, paired, variant
 
+from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK
 from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, request_body
-from draftgen.schedule.load import LoadPoller
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = {"cache": (64, ()), "slots": (512, ("--max-num-seqs", "16"))}
@@ -73,6 +73,9 @@ class Shape:
 def _exp(mean: float) -> Callable[[random.Random, int], int]:
     return lambda rng, cap: min(cap, max(1, math.ceil(-mean * math.log(1.0 - rng.random()))))
 
+
+# The job's load poll interval (`--poll-interval`).
+POLL_INTERVAL_S = 0.5
 
 SHAPES: dict[str, Shape] = {
     "longtail": Shape({"short": 512, "long": 1024}, {"short": 0.75, "long": 0.25},
@@ -151,7 +154,7 @@ partitions:
 categories:
 {chr(10).join(cats)}
 progress_interval_s: 100000
-poll_interval_s: 0.5
+poll_interval_s: {POLL_INTERVAL_S}
 """)
     return job
 
@@ -280,7 +283,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=240)
     ap.add_argument("--settings", nargs="+",
                     default=["adaptive", "150/32", "c=16", "c=32", "c=64"])
+    ap.add_argument("--poll-interval", type=float, default=0.5,
+                    help="the job's poll_interval_s (the product default is 1 s)")
     args = ap.parse_args()
+    global POLL_INTERVAL_S
+    POLL_INTERVAL_S = args.poll_interval
     started = time.time()
     print(f"workload suite — {platform.machine()}, Python {platform.python_version()}, "
           f"`python bench/workloads.py {' '.join(sys.argv[1:])}`", flush=True)

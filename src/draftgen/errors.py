@@ -18,11 +18,16 @@
 Request errors are decided once, where HTTP meets our code (`client/`), and a final
 failure becomes a data row with `reason`, never a crash. The CLI prints any other error
 as one line naming the file or field (`error: ...`), never a traceback.
+
+`redact` is what every text that quotes a server, a log or a command line goes through
+before it is shown or stored: no API key in an error, a log or a record.
 """
 
 from __future__ import annotations
 
 import errno
+import re
+from collections.abc import Iterable
 
 
 class DraftgenError(Exception):
@@ -97,3 +102,30 @@ class RunError(Permanent):
 
 class ContextTooLong(Permanent):
     reason = "context_too_long"
+
+
+REDACTED = "***"
+# A secret shorter than this is not replaced where it stands alone (it would garble the
+# text: a one-letter "key" is in every word); the patterns below still hide it.
+_MIN_SECRET_CHARS = 4
+# Where a key shows itself whatever its value: a launch command line (`--api-key K`,
+# `--api-key=K`, or an argv list `'--api-key', 'K'`), an HTTP header (`Bearer K`), and an
+# engine's dump of its own arguments (`'api_key': 'K'`, `api_key=K`). A value a JSON text
+# leaves unquoted (`"api_key": null`) is no key, and stays: the text stays JSON.
+_SECRET_SPOTS = (
+    re.compile(r"(--api[-_]key(?:=|\s+|['\"]\s*,\s*['\"]))([^\s'\",\]]+)", re.IGNORECASE),
+    re.compile(r"(\bBearer\s+)([^\s'\",}\]]+)", re.IGNORECASE),
+    re.compile(r"(\bapi[-_]key['\"]?\s*:\s*\[?\s*['\"])([^'\"]+)", re.IGNORECASE),
+    re.compile(r"(\bapi[-_]key=['\"]?)([^\s'\",)]+)", re.IGNORECASE),
+)
+
+
+def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """`text` with each of `secrets` (the keys known to be in play) and any key in one of
+    the spots above replaced by REDACTED."""
+    for secret in sorted({s for s in secrets if s and len(s) >= _MIN_SECRET_CHARS},
+                         key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    for spot in _SECRET_SPOTS:
+        text = spot.sub(lambda m: m.group(1) + REDACTED, text)
+    return text

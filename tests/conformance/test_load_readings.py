@@ -7,8 +7,8 @@ launches the Kimi example with. `/v1/loads` bodies come from its own route funct
 the tokenizer manager's `get_loads`, which is how a slot nobody has published yet reads as
 zeros). `/metrics` text comes from each release's own scheduler and tokenizer collectors,
 one forked process per DP rank, merged by prometheus_client's multiprocess collector as
-the server does. All of it goes through `draftgen.schedule.readings` and
-`servers.sglang.parse_server_info`, and every figure must come back as it was put in. The
+the server does. All of it goes through the engine family (`servers/engines/`) and
+`sglang.info.parse_server_info`, and every figure must come back as it was put in. The
 metric names draftgen looks for must exist in the releases' collectors.
 """
 
@@ -20,15 +20,22 @@ from typing import Any
 import pytest
 from conftest import SGLANG_VERSIONS, Oracle, OraclePool
 
-from draftgen.schedule import readings
-from draftgen.schedule.readings import read_prometheus, read_server_info, read_sglang_loads
-from draftgen.servers.info import engine_for
-from draftgen.servers.install import EngineInstall
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.registry import engine_for, read_metrics
+from draftgen.servers.engines.sglang import load as sglang_load
+from draftgen.servers.engines.sglang.info import is_sglang_server_info, parse_server_info
+from draftgen.servers.engines.sglang.load import info_capacity as read_server_info
+from draftgen.servers.engines.sglang.load import read_loads as read_sglang_loads
 from draftgen.servers.profile import load_profile
-from draftgen.servers.sglang import is_sglang_server_info, parse_server_info
 
 ROOT = Path(__file__).resolve().parents[2]
 KIMI = ROOT / "examples" / "profiles" / "kimi-k2.5-sglang-8gpu.yaml"
+
+
+def read_prometheus(text: str) -> tuple[dict[str, float], str | None]:
+    """A Prometheus page's load fields and the name of the engine whose names it uses."""
+    reading, engine = read_metrics(text)
+    return reading, None if engine is None else engine.name
 
 CAPACITY = 481_792  # tokens in one rank's KV pool
 MAX_RUNNING = 64  # per rank
@@ -117,7 +124,7 @@ def test_v1_loads_slot_not_yet_published_keeps_max_running_0523(
 def test_v1_loads_has_every_field_draftgen_reads(sglang_oracle: Oracle) -> None:
     body = sglang_oracle.ask("loads", ranks=[rank_figures(0)])
     entry = body["loads"][0]
-    wanted = {*readings._V1_LOADS, "token_usage", "dp_rank"}
+    wanted = {*sglang_load._V1_LOADS, "token_usage", "dp_rank"}
     assert not wanted - set(entry), f"absent from SGLang {sglang_oracle.version}'s /v1/loads"
 
 
@@ -156,7 +163,7 @@ def defined_names(oracle_pool: OraclePool) -> dict[str, set[str]]:
             for v in SGLANG_VERSIONS}
 
 
-SGLANG_NAMES = sorted({*readings._SGLANG_SUMS, *readings._SGLANG_USAGE})
+SGLANG_NAMES = sorted({*sglang_load.METRICS.sums, *sglang_load.METRICS.usage})
 
 
 @pytest.mark.parametrize("name", SGLANG_NAMES)
@@ -169,9 +176,9 @@ def test_metric_name_draftgen_reads_exists_in_a_release(
 
 def test_every_field_has_a_name_in_each_release(defined_names: dict[str, set[str]]) -> None:
     by_field: dict[str, list[str]] = {}
-    for name, field in readings._SGLANG_SUMS.items():
+    for name, field in sglang_load.METRICS.sums.items():
         by_field.setdefault(field, []).append(name)
-    by_field["kv_usage"] = list(readings._SGLANG_USAGE)
+    by_field["kv_usage"] = list(sglang_load.METRICS.usage)
     for version, names in defined_names.items():
         unread = {f for f, ns in by_field.items() if not set(ns) & names}
         assert not unread, f"SGLang {version}: no metric draftgen knows for {sorted(unread)}"

@@ -5,7 +5,7 @@ For SGLang 0.5.23 and 0.5.9 (installed from PyPI by scripts/install-oracles.sh),
 resolved by its own code (0.5.23 `resolve_once`, 0.5.9 `__post_init__`): no flag may be
 unknown, no choice invalid, no check may refuse it, and the resolved arguments must mean
 what the profile says. Which data-parallel-attention spelling draftgen picks must follow the
-release's real option strings, and `detect_install` must read the same flags from the
+release's real option strings, and `Engine.installed` must read the same flags from the
 installed files that the release's parser defines.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import yaml
 from conftest import ORACLES, Oracle
 
-from draftgen.servers.info import engine_for
-from draftgen.servers.install import EngineInstall, detect_install
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def test_detect_install_reads_what_the_release_defines(
     version: str, sglang_options: dict[str, frozenset[str]], tmp_path: Path,
 ) -> None:
     interpreter = _interpreter_seeing(ORACLES / f"sglang-{version}", tmp_path)
-    found = detect_install("sglang", interpreter)
+    found = engine_for("sglang").installed(interpreter)
     assert found.version == version, found.describe() + f" {found.note}"
     assert found.flags is not None
     real = sglang_options[version]
@@ -180,7 +180,7 @@ def test_detect_install_reads_what_the_release_defines(
     # must be one detect_install reports and one the release's parser defines.
     emitted = flags_in(launch_argv(load_profile(KIMI), install_for(version, real)))
     assert emitted <= real
-    assert not emitted - found.flags, f"detect_install misses {sorted(emitted - found.flags)}"
+    assert not emitted - found.flags, f"installed() misses {sorted(emitted - found.flags)}"
     # And what draftgen launches when it goes by detect_install is that same argv.
     assert launch_argv(load_profile(KIMI), found) == launch_argv(
         load_profile(KIMI), install_for(version, real))

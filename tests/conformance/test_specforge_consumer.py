@@ -31,6 +31,7 @@ from draftgen.export import ExportOptions, export_run
 from draftgen.sample import Record, Sample, Turn
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
+from helpers.masks import masked_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECFORGE = ROOT / ".cache" / "oracles" / "specforge"
@@ -106,15 +107,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def masked_texts(tok: Any, ids: list[int], mask: list[int]) -> list[str]:
-    runs: list[list[int]] = []
-    prev = 0
-    for i, m in zip(ids, mask, strict=True):
-        if m and not prev:
-            runs.append([])
-        if m:
-            runs[-1].append(i)
-        prev = m
-    return [str(tok.decode(r, skip_special_tokens=False)) for r in runs]
+    return [str(tok.decode(r, skip_special_tokens=False)) for r in masked_runs(ids, mask)]
 
 
 def expected(case: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The SGLang stand-in (tests/unit/sglang_standin.py) against each release's own code.
+"""The SGLang stand-in (tests/helpers/sglang_standin.py) against each release's own code.
 
 The unit tests run draftgen against the stand-in because SGLang cannot run here; these keep
 the stand-in honest. For SGLang 0.5.23 and 0.5.9 (the oracle workers of conftest.py):
@@ -16,8 +16,6 @@ field it does not know.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,8 +23,10 @@ import pytest
 from conftest import Oracle
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "unit"))
-from sglang_standin import (
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.sglang.engine import SGLang
+from draftgen.servers.profile import ServerProfile
+from helpers.sglang_standin import (
     KV_CACHE_DTYPES,
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
@@ -40,10 +40,6 @@ from sglang_standin import (
     server_info,
     start_standin,
 )
-
-from draftgen.servers.install import EngineInstall
-from draftgen.servers.profile import ServerProfile
-from draftgen.servers.sglang import SGLang
 
 MODEL = ["--model-path", "/models/m", "--served-model-name", "m"]
 

@@ -19,9 +19,10 @@ import pytest
 import yaml
 from conftest import ORACLES, Oracle
 
-from draftgen.servers.info import engine_for
-from draftgen.servers.install import EngineInstall
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
+from draftgen.servers.tune_section import Levers
 from draftgen.tune.candidates import HostFacts, build_grid
 from draftgen.tune.levers import apply_levers
 
@@ -70,6 +71,12 @@ def sglang_expected(levers: dict[str, Any], profile: ServerProfile) -> dict[str,
             want["hicache_size"] = size
     if "dp_attention" in levers:
         want["enable_dp_attention"] = levers["dp_attention"]
+    if "dcp" in levers:
+        want["dcp_size"] = levers["dcp"]
+        if profile.dp_attention:  # DCP replaces DP attention
+            want["enable_dp_attention"] = False
+    if levers.get("speculative_adaptive"):
+        want["speculative_adaptive"] = True
     if "kv_cache_dtype" in levers:
         want["kv_cache_dtype"] = levers["kv_cache_dtype"]
     if levers.get("speculative"):
@@ -86,7 +93,19 @@ def test_every_sglang_candidate_parses_and_means_its_levers(
     profile = tuned(KIMI, tmp_path, SGLANG_TUNE)
     grid = build_grid(profile, 182, HostFacts(available_bytes=600 * 10**9, install=install,
                                               mla=True))
-    assert len(grid) == 10, [c.label for c in grid]
+    # DCP where the release defines it (0.5.23); no adaptive speculative decoding under the
+    # profile's DP attention, which SGLang would turn off with a warning.
+    newer = {"--dcp-size"} & sglang_options[version]
+    assert len(grid) == 10 + len(newer), [c.label for c in grid]
+    assert ("dcp=8" in [c.label for c in grid]) == bool(newer)
+    assert "speculative_adaptive=true" not in [c.label for c in grid]
+    if newer:  # the DCP flag itself, without HiCache (whose DCP path needs the checkpoint)
+        dcp = apply_levers(profile, Levers(dcp=8, hicache_gb_per_rank=0))
+        parsed = sglang_oracle.ask("parse", argv=engine_for("sglang").argv(
+            dcp, install=install)[3:])
+        assert parsed["error"] is None, parsed["error"]
+        assert parsed["args"]["dcp_size"] == 8
+        assert parsed["args"]["enable_dp_attention"] is False
     refused = {}
     for cand in grid:
         argv = engine_for("sglang").argv(apply_levers(profile, cand.levers),
@@ -94,6 +113,8 @@ def test_every_sglang_candidate_parses_and_means_its_levers(
         assert {a.split("=", 1)[0] for a in argv if a.startswith("--")} <= sglang_options[version]
         parsed = sglang_oracle.ask("parse", argv=argv)
         if parsed["error"] is not None:
+            if cand.label == "dcp=8" and "only supported for MLA models" in parsed["error"]:
+                continue  # HiCache + DCP needs an MLA checkpoint, which the oracle has not
             refused[cand.label] = parsed["error"]
             continue
         got = parsed["args"]
@@ -102,6 +123,25 @@ def test_every_sglang_candidate_parses_and_means_its_levers(
                  if got.get(k, "<absent>") != v}
         assert not wrong, f"SGLang {version}, {cand.label}: (got, lever) {wrong}"
     assert not refused, f"SGLang {version} refuses {refused}"
+
+
+def test_adaptive_speculative_decoding_stays_on_where_sglang_can_run_it(
+    sglang_oracle: Oracle, sglang_options: dict[str, frozenset[str]], tmp_path: Path,
+) -> None:
+    version = sglang_oracle.version
+    options = sglang_options[version]
+    install = EngineInstall("sglang", "python", version, options)
+    tune = {"speculative": SGLANG_TUNE["speculative"]}
+    plain = tuned(KIMI, tmp_path, tune).model_copy(update={"dp": 1, "dp_attention": False})
+    grid = build_grid(plain, 182, HostFacts(install=install, mla=True))
+    adaptive = [c for c in grid if c.label == "speculative_adaptive=true"]
+    assert bool(adaptive) == ("--speculative-adaptive" in options), [c.label for c in grid]
+    for cand in adaptive:
+        argv = engine_for("sglang").argv(apply_levers(plain, cand.levers), install=install)[3:]
+        parsed = sglang_oracle.ask("parse", argv=argv)
+        assert parsed["error"] is None, parsed["error"]
+        assert parsed["args"]["speculative_adaptive"] is True
+        assert parsed["args"]["speculative_algorithm"] == "EAGLE3"
 
 
 VLLM_TUNE = {

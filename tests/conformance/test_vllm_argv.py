@@ -19,8 +19,7 @@ import pytest
 import yaml
 from conftest import Oracle
 
-from draftgen.servers.info import engine_for
-from draftgen.servers.install import detect_install
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,5 +108,5 @@ def test_module_draftgen_runs_exists_and_detect_install_finds_vllm(vllm_oracle: 
     module = engine_for("vllm").module.split(".")
     assert (Path(spec.submodule_search_locations[0]).joinpath(*module[1:-1])
             / f"{module[-1]}.py").is_file()
-    found = detect_install("vllm", sys.executable)
+    found = engine_for("vllm").installed(sys.executable)
     assert found.version == vllm_oracle.version, found.describe()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from draftgen.engine import LocalEngine, build_tiny_model
+from draftgen.engine.tinymodel import build_rounded_model
 
 _HERE = Path(__file__).resolve().parent
 REPO_ROOT = _HERE.parents[1]
@@ -46,6 +47,12 @@ def engine_installed() -> None:
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     return build_tiny_model(cache_root() / "tiny-model")
+
+
+@pytest.fixture(scope="session")
+def rounded_model_dir(tiny_model_dir: Path) -> Path:
+    """The tiny model with its weight matrices rounded to 4 bits: lossy on any machine."""
+    return build_rounded_model(tiny_model_dir, cache_root() / "tiny-model-int4", bits=4)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from draftgen.servers import fetch_server_info, load_profile, read_handle, serve, stop
+from draftgen.cli.serve import serve
+from draftgen.servers import fetch_server_info, load_profile, read_handle, stop
 from draftgen.servers.process import group_alive
 
 BLOCK_TOKENS = 128  # vLLM's CPU block size

@@ -19,26 +19,15 @@ from draftgen.engine import LocalEngine
 from draftgen.errors import JobError
 from draftgen.export import ExportOptions, export_run
 from draftgen.export.base import ExportContext
-from draftgen.export.tokens import TokensFormat, server_token_ids
+from draftgen.export.token_ids import TokensFormat, server_token_ids
 from draftgen.reporting.status import read_status
 from draftgen.sample import Message, Record, Sample, Turn
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
+from helpers.masks import masked_runs
 
 DEMO_JOB = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job.yaml"
 END = "<|im_end|>"
-
-
-def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    prev = 0
-    for i, m in zip(ids, mask, strict=True):
-        if m and not prev:
-            runs.append([])
-        if m:
-            runs[-1].append(i)
-        prev = m
-    return runs
 
 
 def engine_prompt_ids(engine: LocalEngine, messages: list[dict[str, Any]]) -> list[int]:

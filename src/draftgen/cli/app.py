@@ -19,7 +19,7 @@ out = Console(width=None if sys.stdout.isatty() else 120)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, cls=OneLineErrors,
                   help="Generate training datasets from self-hosted LLM servers.")
-engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (vLLM CPU).")
+engine_app = typer.Typer(no_args_is_help=True, help="The tiny local engine (a CPU build).")
 app.add_typer(engine_app, name="engine")
 
 

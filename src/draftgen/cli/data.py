@@ -45,18 +45,32 @@ def plan(
         min=1, help="what if each server had this many KV tokens")] = None,
     servers: Annotated[int | None, typer.Option(min=1, help="what if there were N servers")
                        ] = None,
+    profile: Annotated[Path | None, typer.Option(
+        help="predict for a server of this profile, before it exists: KV capacity from the "
+             "memory model, decode speed from its `speed:` section")] = None,
 ) -> None:
     """Read every source, apply caps and dedup, and show what a run would generate; with
-    --server or --from-run, how long it will take and what fits a --budget."""
+    --server, --from-run or --profile, how long it will take and what fits a --budget."""
     from draftgen.planning.forecast import parse_duration
     from draftgen.planning.plan import build_plan
 
     job = load(job_file)
     # Every option is checked before the plan reads a single source row.
     what_if = (budget, priority, kv_tokens, servers, write_job)
-    if server is None and from_run is None and any(o is not None for o in what_if):
+    measured_by = (server, from_run, profile)
+    if all(m is None for m in measured_by) and any(o is not None for o in what_if):
         raise fail(JobError("--budget, --priority, --kv-tokens, --servers and --write-job "
-                            "need --server URL or --from-run OUT"))
+                            "need --server URL, --from-run OUT or --profile PROFILE"))
+    if server is not None and profile is not None:
+        raise fail(JobError("give --server (measure it) or --profile (predict it), not both"))
+    loaded_profile = None
+    if profile is not None:
+        from draftgen.servers import load_profile
+
+        try:
+            loaded_profile = load_profile(profile)
+        except DraftgenError as e:
+            raise fail(e) from None
     if write_job is not None and budget is None:
         raise fail(JobError("--write-job needs --budget"))
     api_key = None
@@ -98,13 +112,13 @@ def plan(
         out.print(t)
     for warning in p.warnings:
         print(f"warning: {warning}", file=sys.stderr)
-    if server is None and from_run is None:
+    if all(m is None for m in measured_by):
         return
     from draftgen.planning.forecast import forecast, measure
 
     try:
         measured = asyncio.run(measure(job, server=server, from_run=from_run,
-                                       api_key=api_key))
+                                       api_key=api_key, profile=loaded_profile))
         fc = forecast(job, p, measured, kv_tokens=kv_tokens, servers=servers,
                       budget_s=budget_s, mode="priority" if order else "proportional",
                       priority=order)

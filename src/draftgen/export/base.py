@@ -2,7 +2,7 @@
 
 A format only turns one record into one row (`Format.row`) and, for binary formats, writes
 the rows (`Format.write`); `Format.prepare` sees the run once before the first row. Which
-records reach it is decided in `run.py`.
+records reach it is decided in `writing.py`.
 
 Reasoning is written the way the model's own chat template writes it (`Thinking`): the
 template is rendered once with marker strings for a turn's reasoning and answer, and what

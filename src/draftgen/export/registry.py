@@ -7,7 +7,7 @@ from draftgen.export.base import Format
 from draftgen.export.parquet import ParquetFormat
 from draftgen.export.sharegpt import ShareGPTFormat
 from draftgen.export.specforge import SpecForgeFormat
-from draftgen.export.tokens import TokensFormat
+from draftgen.export.token_ids import TokensFormat
 
 
 def formats() -> dict[str, Format]:

@@ -2,9 +2,9 @@
 
 `calibrate(url, model)` measures a few seconds per level: at each concurrency, that many
 streams of `max_tokens` tokens with `ignore_eos`, restarted as they end. Speed is read from
-the engine's own counters where it has them (vLLM: `vllm:generation_tokens_total` over the
-`vllm:iteration_tokens_total` count gives tokens per engine step, which is the real batch;
-wall time gives tok/s), otherwise from the streamed tokens. Prefill speed comes from time to
+the engine's own counters where it has them (generated tokens over engine steps, where the
+engine counts its steps, gives tokens per engine step, which is the real batch; wall time
+gives tok/s), otherwise from the streamed tokens. Prefill speed comes from time to
 first token of a long and a short prompt; capacity from what the server says it runs with
 (`servers/info.py`).
 """
@@ -19,14 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.client import ChatClient
 from draftgen.client.context import context_length
+from draftgen.client.http import Session, get_text, open_session
 from draftgen.errors import RequestError
 from draftgen.planning.measured import Measured
 from draftgen.planning.workload import DecodeSpeed
+from draftgen.servers.engines.load import Reading
+from draftgen.servers.engines.registry import read_metrics
 from draftgen.servers.info import ServerInfo, ServerInfoError, fetch_server_info
 
 # --- from a live server ---------------------------------------------------------------
@@ -65,8 +67,7 @@ async def calibrate(url: str, model: str, *, concurrency_levels: Sequence[int] =
     # seeded requests whose prompts are prefilled in chunks.
     extra = {k: v for k, v in (sampling or {}).items()
              if k not in ("model", "messages", "max_tokens", "stream", "seed")}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    async with aiohttp.ClientSession(headers=headers) as http, \
+    async with open_session(api_key) as http, \
             ChatClient(api_key=api_key) as client:
         info = await _capacity(http, base)
         levels = []
@@ -120,44 +121,34 @@ class Capacity:
 
 
 def capacity_of(info: ServerInfo | None) -> Capacity:
-    """From what the server runs with (`servers.fetch_server_info`). SGLang with dp
-    attention has a cache and a batch per rank; the server counts as one with their sum."""
+    """From what the server runs with (`servers.fetch_server_info`). A server with several
+    data-parallel ranks (e.g. DP attention) has a cache and a batch per rank; it counts as
+    one with their sum."""
     if info is None or not info.kv_tokens:
         return Capacity(None, None, None, "KV capacity not published by the server")
     block = info.args.get("block_size") or info.args.get("page_size") or 1
     ranks = info.kv_tokens_per_rank
-    note = (f"SGLang dp {len(ranks)}: {ranks[0]:,} KV tokens per rank, counted as one server "
-            "with their sum") if info.engine == "sglang" and len(ranks) > 1 else ""
+    note = (f"{info.engine} dp {len(ranks)}: {ranks[0]:,} KV tokens per rank, counted as one "
+            "server with their sum") if len(ranks) > 1 else ""
     return Capacity(info.kv_tokens, int(block), info.max_running_requests, note)
 
 
-async def _capacity(http: aiohttp.ClientSession, base: str) -> Capacity:
+async def _capacity(http: Session, base: str) -> Capacity:
     try:
         return capacity_of(await fetch_server_info(http, base))
     except ServerInfoError:
         return capacity_of(None)
 
 
-async def _get_text(http: aiohttp.ClientSession, url: str) -> str | None:
-    try:
-        async with asyncio.timeout(10), http.get(url) as r:
-            return await r.text() if r.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+async def _engine_counters(http: Session, base: str) -> Reading:
+    text = await get_text(http, base + "/metrics")
+    return read_metrics(text)[0] if text else {}
 
 
-async def _engine_counters(http: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    text = await _get_text(http, base + "/metrics")
-    return parse_metrics(text) if text else {}
+_GEN, _STEPS = "generation_tokens_total", "engine_steps_total"
 
 
-_GEN = "vllm:generation_tokens_total"
-_STEPS = "vllm:iteration_tokens_total_count"
-_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
-_BUSY = (*_RUNNING, "vllm:num_requests_waiting", "sglang:num_queue_reqs")
-
-
-async def _measure_level(http: aiohttp.ClientSession, client: ChatClient, base: str,
+async def _measure_level(http: Session, client: ChatClient, base: str,
                          model: str, concurrency: int, max_tokens: int, seconds: float,
                          warmup_s: float, extra: Mapping[str, Any]) -> LevelResult:
     streamed = 0
@@ -191,7 +182,7 @@ async def _measure_level(http: aiohttp.ClientSession, client: ChatClient, base: 
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
             now = await _engine_counters(http, base)
-            running_seen += [now[k] for k in _RUNNING if k in now]
+            running_seen += [now["running"]] if "running" in now else []
         after = await _engine_counters(http, base)
         elapsed = time.monotonic() - t0
         client_tokens = streamed - s0
@@ -209,13 +200,13 @@ async def _measure_level(http: aiohttp.ClientSession, client: ChatClient, base: 
     return LevelResult(concurrency, running, client_tokens / elapsed, False)
 
 
-async def _wait_idle(http: aiohttp.ClientSession, base: str, timeout_s: float = 10.0) -> None:
+async def _wait_idle(http: Session, base: str, timeout_s: float = 10.0) -> None:
     """Cancelled streams are aborted by the engine a moment later; the next level must not
     share the engine with them."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         now = await _engine_counters(http, base)
-        if not any(now.get(k) for k in _BUSY):
+        if not (now.get("running") or now.get("waiting")):
             return
         await asyncio.sleep(0.2)
 

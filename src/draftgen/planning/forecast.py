@@ -1,10 +1,12 @@
-"""`draftgen plan --server/--from-run [--budget]`: how long the plan will take, and caps that
-fit a time budget.
+"""`draftgen plan --server/--from-run/--profile [--budget]`: how long the plan will take, and
+caps that fit a time budget.
 
 Measurements come from a short calibration against a server, from a finished or partial
-run, or both (a run's lengths with a server's speed). What-if levers override what was
-measured: `--kv-tokens` (say, after doubling memory or enabling dp-attention) and
-`--servers` (replicas).
+run, or both (a run's lengths with a server's speed); or, before any server exists, from a
+profile: its KV capacity from the memory model (`servers/prediction.py`) and the decode
+speed its `speed:` section states (else the capacity model's assumed shape, said so).
+What-if levers override what was measured: `--kv-tokens` (say, after doubling memory or
+enabling dp-attention) and `--servers` (replicas).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from draftgen.clock import format_duration
 from draftgen.errors import JobError
@@ -22,8 +25,11 @@ from draftgen.planning.calibrate import calibrate, concurrency_levels_for
 from draftgen.planning.capacity import Prediction, predict
 from draftgen.planning.measured import Measured, measure_from_run
 from draftgen.planning.plan import Plan
-from draftgen.planning.workload import Workload
+from draftgen.planning.workload import DecodeSpeed, Workload
 from draftgen.sample import base_body
+from draftgen.servers.engines.memory import MemoryModelError
+from draftgen.servers.prediction import ProfileMemory, memory_facts, predict_profile
+from draftgen.servers.profile import ServerProfile
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -75,11 +81,34 @@ class Forecast:
         return out
 
 
+def measured_from_profile(profile: ServerProfile, facts: ProfileMemory | None = None,
+                          **changes: Any) -> Measured:
+    """What a server of `profile` would measure, predicted: its KV tokens (with `changes`,
+    e.g. another fraction or layout), its running limit, the decode speed it states."""
+    facts = facts or memory_facts(profile)
+    kv = predict_profile(profile, facts, **changes)
+    speed = (DecodeSpeed(tuple(profile.speed.points), None,
+                         profile.speed.source or "the profile's speed points")
+             if profile.speed else DecodeSpeed.assumed())
+    notes = (f"KV: {kv.describe()}", *facts.sources(),
+             f"decode speed: {speed.source} (assumed: the model's step time depends only on "
+             "the running requests, extrapolated beyond the last point)")
+    return Measured(speed=speed, kv_tokens=kv.kv_tokens, max_running=profile.max_running_requests,
+                    source=f"predicted for {profile.source_file or profile.model_path}",
+                    notes=notes)
+
+
 async def measure(job: JobSpec, *, server: str | None, from_run: Path | None,
-                  api_key: str | None) -> Measured:
+                  api_key: str | None, profile: ServerProfile | None = None) -> Measured:
     measured: Measured | None = None
     if from_run is not None:
         measured = measure_from_run(from_run)
+    if profile is not None:
+        try:
+            predicted = measured_from_profile(profile)
+        except MemoryModelError as e:
+            raise JobError(f"--profile: {e}") from None
+        measured = predicted if measured is None else measured.with_server_from(predicted)
     if server is not None:
         total = sum(p.concurrency for p in job.partitions.values())
         sampling = base_body(job.model, job.sampling.model_dump())
@@ -88,7 +117,7 @@ async def measure(job: JobSpec, *, server: str | None, from_run: Path | None,
         measured = calibrated if measured is None else measured.with_server_from(calibrated)
     if measured is None:
         raise JobError("--budget and the what-if flags need measurements: give --server URL "
-                       "(a short calibration) or --from-run OUT")
+                       "(a short calibration), --from-run OUT or --profile PROFILE")
     return measured
 
 

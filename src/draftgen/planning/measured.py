@@ -84,12 +84,12 @@ def measure_from_run(out_dir: str | Path) -> Measured:
         key = (row["category"], row["partition"])
         prompts.setdefault(key, []).append(int(row.get("prompt_tokens") or 0))
         e = entries.get(row["id"])
-        if e is None or e.fp != row["fingerprint"] or e.status != "done":
+        if e is None or e.fingerprint != row["fingerprint"] or e.status != "done":
             continue
-        outputs.setdefault(key, []).append(int(e.otok))
-        truncated[key] = truncated.get(key, 0) + int(bool(e.trunc))
+        outputs.setdefault(key, []).append(int(e.output_tokens))
+        truncated[key] = truncated.get(key, 0) + int(bool(e.truncated))
         if e.shard is not None:
-            spots.append((e.shard, e.off, e.len))
+            spots.append((e.shard, e.offset, e.length))
     speed = speed_from_records(_read_records(out, spots))
     kv, n_servers = _capacity_from_series(out / SERIES)
     notes = [] if speed else ["no timed records: decode speed unknown"]

@@ -104,9 +104,9 @@ def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,
         target = job.partitions[part.escalate_to]
         fp = fingerprint(base, content_digest(s.messages, s.followups), target.max_tokens,
                          s.seed)
-        if rerun and e.status == "done" and e.trunc and e.fp == s.fingerprint:
+        if rerun and e.status == "done" and e.truncated and e.fingerprint == s.fingerprint:
             now.add(s.id)
-        moved = e.fp == fp or s.id in now
+        moved = e.fingerprint == fp or s.id in now
         out.append(replace(s, partition=part.escalate_to, max_tokens=target.max_tokens,
                            fingerprint=fp) if moved else s)
     return replace(plan, samples=out), now

@@ -13,7 +13,7 @@ from draftgen.probe.drift import (
     summarise,
     topk_kl,
 )
-from draftgen.probe.servers import Position, ProbeError
+from draftgen.servers.engines.scoring import Position, ProbeError
 
 __all__ = [
     "Position", "ProbeError", "ProbeResult", "ProbeThresholds", "PromptProbe", "compare_prompt",

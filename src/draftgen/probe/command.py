@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
-import aiohttp
 import orjson
 
+from draftgen.client.http import open_session
 from draftgen.errors import DraftgenError, JobError
 from draftgen.job import Source
 from draftgen.probe.drift import (
@@ -21,8 +22,10 @@ from draftgen.probe.drift import (
     format_report,
     summarise,
 )
-from draftgen.probe.servers import Http, ScoringServer, connect
+from draftgen.probe.gate import GateSettings, PromptPaths, gate_prompt, judge
 from draftgen.sample import Message
+from draftgen.servers.engines.registry import scoring_server as connect
+from draftgen.servers.engines.scoring import Http, ScoringServer
 from draftgen.sources.base import RowRejection, normalise_row, shape
 from draftgen.store.atomic import write_atomic
 
@@ -41,15 +44,19 @@ BUILTIN_PROMPTS = (
 
 
 async def _probe_one(index: int, messages: Sequence[Message], ref: ScoringServer,
-                     cand: ScoringServer, max_tokens: int, top_k: int) -> PromptProbe:
+                     cand: ScoringServer, max_tokens: int, top_k: int,
+                     gate: GateSettings | None) -> tuple[PromptProbe, PromptPaths | None]:
     prompt = await ref.render(messages)
     ref_out = await ref.greedy(prompt, max_tokens)
     async with asyncio.TaskGroup() as tg:
         ref_pos = tg.create_task(ref.score(prompt, ref_out, top_k))
         cand_pos = tg.create_task(cand.score(prompt, ref_out, top_k))
         cand_out = tg.create_task(cand.greedy(prompt, max_tokens))
-    return compare_prompt(index, len(prompt), ref_out, cand_out.result(), ref_pos.result(),
-                          cand_pos.result())
+    prefill = compare_prompt(index, len(prompt), ref_out, cand_out.result(), ref_pos.result(),
+                             cand_pos.result())
+    paths = None if gate is None else await gate_prompt(
+        prompt, ref, cand, max_tokens=max_tokens, top_k=top_k, cache_read=gate.cache_read)
+    return prefill, paths
 
 
 async def run_probe(
@@ -65,16 +72,18 @@ async def run_probe(
     api_key: str | None = None,
     concurrency: int = 8,
     timeout_s: float = 600.0,
+    gate: GateSettings | None = GateSettings(),  # noqa: B008 (frozen)
 ) -> ProbeResult:
-    """Probe the first `n` prompts; raises ProbeError when a server cannot be used."""
+    """Probe the first `n` prompts; raises ProbeError when a server cannot be used.
+    `gate` adds the decode and cache-read paths against the noise floor (None: prefill
+    only)."""
     if n < 1 or max_tokens < 1 or top_k < 1 or concurrency < 1:
         raise ValueError("n, max_tokens, top_k and concurrency must be at least 1")
     if not prompts:
         raise ValueError("no prompts to probe")
     chosen = prompts[:n]
-    results: list[PromptProbe | None] = [None] * len(chosen)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    results: list[tuple[PromptProbe, PromptPaths | None] | None] = [None] * len(chosen)
+    async with open_session(timeout_s=timeout_s) as session:
         http = Http(session, api_key)
         ref = await connect(http, reference, model)
         cand = await connect(http, candidate, model)
@@ -82,7 +91,7 @@ async def run_probe(
 
         async def worker() -> None:
             for i, messages in todo:
-                results[i] = await _probe_one(i, messages, ref, cand, max_tokens, top_k)
+                results[i] = await _probe_one(i, messages, ref, cand, max_tokens, top_k, gate)
 
         try:
             async with asyncio.TaskGroup() as tg:
@@ -91,9 +100,13 @@ async def run_probe(
         except ExceptionGroup as group:
             # One failed request stops the probe; its own error says more than the group.
             raise _first_leaf(group) from None
-    done = tuple(r for r in results if r is not None)
-    return summarise(reference, candidate, (ref.kind, cand.kind), ref.model, max_tokens,
-                     top_k, thresholds, done)
+    done = [r for r in results if r is not None]
+    result = summarise(reference, candidate, (ref.kind, cand.kind), ref.model, max_tokens,
+                       top_k, thresholds, tuple(p for p, _ in done))
+    if gate is None:
+        return result
+    paths = [g for _, g in done if g is not None]
+    return replace(result, gate=judge(paths, gate, max_tokens))
 
 
 def _first_leaf(group: ExceptionGroup[Exception]) -> Exception:
@@ -160,6 +173,7 @@ def probe_command(
     model: str | None = None,
     api_key: str | None = None,
     thresholds: ProbeThresholds | None = None,
+    gate: GateSettings | None = GateSettings(),  # noqa: B008 (frozen)
 ) -> int:
     """Run the probe and print the table: 0 pass, 1 fail, 2 no verdict (a usage error, or
     a server that could not be probed; the reason goes to stderr)."""
@@ -176,6 +190,7 @@ def probe_command(
         result = asyncio.run(run_probe(
             reference, candidate, prompts, n=n, max_tokens=max_tokens, top_k=top_k,
             model=model, thresholds=thresholds or ProbeThresholds(), api_key=api_key,
+            gate=gate,
         ))
         print(format_report(result))
         if json_out is not None:

@@ -39,9 +39,12 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from draftgen.probe.servers import Position
+from draftgen.servers.engines.scoring import Position
+
+if TYPE_CHECKING:
+    from draftgen.probe.gate import GateResult
 
 # Cells with less mass than this on the reference side add nothing measurable; on the
 # candidate side the floor keeps log(0) out when rounding leaves no rest mass.
@@ -113,10 +116,12 @@ class ProbeResult:
     median_first_divergence: float | None  # over prompts that diverged
     mean_first_divergence: float | None
     failures: tuple[str, ...] = field(default=())
+    # The decode and cache-read paths against the reference's own noise (`gate.py`).
+    gate: GateResult | None = None
 
     @property
     def passed(self) -> bool:
-        return not self.failures
+        return not self.failures and (self.gate is None or self.gate.passed)
 
     def verdict_line(self) -> str:
         head = "PASS" if self.passed else "FAIL"
@@ -125,12 +130,14 @@ class ProbeResult:
             f"exact match {self.exact_match_rate:.0%} ({len(self.details)} prompts, "
             f"{self.positions} positions)"
         )
-        return f"{head}: {stats}" + ("" if self.passed else f" — {'; '.join(self.failures)}")
+        reasons = [*self.failures, *(self.gate.failures if self.gate else ())]
+        return f"{head}: {stats}" + (f" — {'; '.join(reasons)}" if reasons else "")
 
     def to_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in asdict(self).items() if k != "details"}
+        data = {k: v for k, v in asdict(self).items() if k not in ("details", "gate")}
         data["passed"] = self.passed
         data["details"] = [d.summary() for d in self.details]
+        data["gate"] = self.gate.to_dict() if self.gate is not None else None
         return data
 
 
@@ -166,7 +173,7 @@ def matching_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _is_argmax(pos: Position, token: int) -> bool:
+def is_argmax(pos: Position, token: int) -> bool:
     """Whether `token` has the highest log-probability at `pos`, ties included: bf16
     logits tie often enough that which of the tied tokens a sampler or a ranking
     names first is noise, not drift."""
@@ -188,8 +195,8 @@ def compare_prompt(
         prompt_tokens=prompt_tokens,
         tokens=len(ref_out),
         kls=tuple(topk_kl(r, c) for r, c in pairs),
-        top1_hits=sum(_is_argmax(r, c.top1) for r, c in pairs),
-        reference_top1_hits=sum(_is_argmax(r, r.token) for r, _ in pairs),
+        top1_hits=sum(is_argmax(r, c.top1) for r, c in pairs),
+        reference_top1_hits=sum(is_argmax(r, r.token) for r, _ in pairs),
         matching_prefix=matching_prefix(ref_out, cand_out),
         exact_match=list(ref_out) == list(cand_out),
     )
@@ -274,4 +281,5 @@ def format_report(result: ProbeResult) -> str:
     width = max(len(r[0]) for r in rows)
     vwidth = max(len(r[1]) for r in rows)
     lines = [f"{name:<{width}}  {value:<{vwidth}}  {note}".rstrip() for name, value, note in rows]
-    return "\n".join([*lines, result.verdict_line()])
+    gate = result.gate.lines() if result.gate is not None else ["paths checked: prefill only"]
+    return "\n".join([*lines, *gate, result.verdict_line()])

@@ -57,7 +57,7 @@ REASONING_MARKERS: tuple[str, ...] = (
 # edits between copies lower it only a little; a block of code quoted twice (the original,
 # then a fix) scores near 0, as do prose, lists, tables and JSON. Words only: punctuation
 # and layout recur in every line of code or JSON and would make a period of their own.
-# Tuned on crafted cases (tests/unit/test_checks.py; the lowest loop scores 0.63, the
+# Tuned on crafted cases (tests/unit/quality/test_checks.py; the lowest loop scores 0.63, the
 # highest non-loop 0.08) and on the Python standard library: 0.06% of its modules' tail
 # windows reach LOOP_SHARE, and 0.2% of its test files', all of them runs of copied
 # methods.

@@ -7,7 +7,6 @@ card is what lets someone else reproduce the data, or decide not to train on it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import re
@@ -33,9 +32,15 @@ from draftgen.quality.checks import (
 from draftgen.reporting.status import describe_configuration
 from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
-from draftgen.store.reading import UNVERIFIED, current_entries, seeds_ignored_note
-from draftgen.store.run_store import REJECTED, read_manifest
+from draftgen.store.reading import (
+    UNVERIFIED,
+    count_rejected,
+    current_entries,
+    seeds_ignored_note,
+)
+from draftgen.store.run_store import read_manifest
 from draftgen.store.shards import read_at
+from draftgen.store.tally import CategoryTally, current, tally
 
 CARD_NAME = "DATASET_CARD.md"
 # SpecForge's default --max-length.
@@ -45,14 +50,10 @@ PROMPT_SHOWN_CHARS = 1500
 
 
 @dataclass(slots=True)
-class CategoryFacts:
-    total: int = 0
-    done: int = 0
-    failed: int = 0
-    truncated: int = 0
+class CategoryFacts(CategoryTally):
     flagged: int = 0
-    pending: int = 0
-    output_tokens: list[int] = field(default_factory=list)
+    # Output tokens of each done sample.
+    lengths: list[int] = field(default_factory=list)
     flags: Counter[str] = field(default_factory=Counter)
     # Done samples whose prompt + output exceed max_length.
     too_long: int = 0
@@ -93,22 +94,12 @@ def write_card(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH,
 def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts:
     plan, entries = current_entries(out_dir)
     facts = CardFacts(out_dir, read_manifest(out_dir), max_length)
-    done: list[LedgerEntry] = []
-    for p in plan:
-        cat = facts.categories.setdefault(p["category"], CategoryFacts())
-        cat.total += 1
-        e = entries.get(p["id"])
-        if e is None or e.fp != p["fingerprint"]:
-            cat.pending += 1
-        elif e.status != "done" or e.shard is None:
-            cat.failed += 1
-        else:
-            cat.done += 1
-            cat.truncated += e.trunc
-            cat.output_tokens.append(e.otok)
-            done.append(e)
-    for e, rec in _records(out_dir, done):
-        cat = facts.categories[e.cat]
+    counted = tally(current(plan, entries), CategoryFacts)
+    facts.categories = counted.categories
+    for category, e in counted.done:
+        facts.categories[category].lengths.append(e.output_tokens)
+    for category, e, rec in _records(out_dir, counted.done):
+        cat = facts.categories[category]
         turns = rec.get("turns") or []
         flags = e.flags if e.flags is not None else list(check_turns(turns))
         cat.flags.update(flags)
@@ -124,19 +115,19 @@ def collect(out_dir: Path, *, max_length: int = DEFAULT_MAX_LENGTH) -> CardFacts
         facts.earlier_reasoning += any(t.get("reasoning") for t in turns[:-1])
         facts.servers[str(rec.get("server") or "unknown")] += 1
         facts.configurations[str(rec.get("server_config") or UNVERIFIED)] += 1
-    with contextlib.suppress(FileNotFoundError):
-        facts.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines()
-                             if line)
+    facts.rejected = count_rejected(out_dir)
     return facts
 
 
-def _records(out_dir: Path, done: list[LedgerEntry]) -> Iterator[tuple[LedgerEntry, Any]]:
-    """Each done entry's record, read in shard order (sequential reads, not plan order)."""
+def _records(out_dir: Path, done: list[tuple[str, LedgerEntry]],
+             ) -> Iterator[tuple[str, LedgerEntry, Any]]:
+    """Each done entry's record, read in shard order (sequential reads, not plan order);
+    an entry that names no shard has no record to read (`draftgen.store.tally`)."""
     files: dict[str, BinaryIO] = {}
+    stored = [(c, e, e.shard) for c, e in done if e.shard is not None]
     try:
-        for e in sorted(done, key=lambda e: (e.shard or "", e.off)):
-            assert e.shard is not None
-            yield e, read_at(out_dir, e.shard, e.off, e.len, files)
+        for category, e, shard in sorted(stored, key=lambda ces: (ces[2], ces[1].offset)):
+            yield category, e, read_at(out_dir, shard, e.offset, e.length, files)
     finally:
         for f in files.values():
             f.close()
@@ -191,11 +182,11 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
 def _counts_section(f: CardFacts) -> list[str]:
     names = ("total", "done", "failed", "truncated", "flagged", "pending")
     rows: list[list[object]] = [
-        [cat, *(getattr(c, n) for n in names), sum(c.output_tokens)]
+        [cat, *(getattr(c, n) for n in names), c.output_tokens]
         for cat, c in f.categories.items()
     ]
     rows.append(["**all**", *(f.total(n) for n in names),
-                 sum(sum(c.output_tokens) for c in f.categories.values())])
+                 f.total("output_tokens")])
     done, trunc, flagged = f.total("done"), f.total("truncated"), f.total("flagged")
     in_reasoning = sum(c.flags["truncated_in_reasoning"] for c in f.categories.values())
     return [
@@ -229,8 +220,8 @@ def _lengths_section(f: CardFacts) -> list[str]:
     rows = []
     every: list[int] = []
     for cat, c in f.categories.items():
-        every += c.output_tokens
-        rows.append(_length_row(cat, c.output_tokens))
+        every += c.lengths
+        rows.append(_length_row(cat, c.lengths))
     rows.append(_length_row("**all**", every))
     return ["## Output length (tokens per sample)", "",
             *_table(["category", "samples", "min", "p50", "p90", "p99", "max"], rows)]

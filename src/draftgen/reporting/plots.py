@@ -74,8 +74,9 @@ def draw_plots(out_dir: str | Path, to_dir: str | Path) -> list[Path]:
     done = []
     for row in plan:
         e = entries.get(row["id"])
-        if e is not None and e.fp == row["fingerprint"] and e.status == "done":
-            done.append((row["category"], e.t, e.otok, bool(e.trunc), row.get("max_tokens")))
+        if e is not None and e.fingerprint == row["fingerprint"] and e.status == "done":
+            done.append((row["category"], e.time, e.output_tokens, bool(e.truncated),
+                         row.get("max_tokens")))
     series = read_series(out / SERIES)
     if not done and not series:
         raise PlotError(f"{out}: no done samples and no {SERIES}: nothing to plot")

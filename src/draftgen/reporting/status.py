@@ -4,34 +4,28 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import orjson
 from rich.table import Table
 
-from draftgen.errors import StoreError
 from draftgen.quality.checks import quality_flags
 from draftgen.store.reading import (
     UNVERIFIED,
+    count_rejected,
     current_entries,
     is_running,
     lock_pid,
     read_manifest,
     seeds_ignored_note,
 )
-from draftgen.store.run_store import REJECTED
+from draftgen.store.tally import CategoryTally, current, tally
 
 
 @dataclass(slots=True)
-class CategoryStatus:
-    total: int = 0
-    done: int = 0
-    failed: int = 0
-    truncated: int = 0
-    pending: int = 0
-    output_tokens: int = 0
+class CategoryStatus(CategoryTally):
     # Done samples with an output check flag other than truncation (left out of exports).
     flagged: int = 0
 
@@ -118,7 +112,7 @@ class RunStatus:
     def as_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__slots__ if k not in ("categories", "manifest")}
         d["categories"] = {
-            k: {f: getattr(v, f) for f in v.__slots__} for k, v in self.categories.items()
+            k: {f.name: getattr(v, f.name) for f in fields(v)} for k, v in self.categories.items()
         }
         runs = self.manifest.get("runs") or []
         d["runs"] = len(runs)
@@ -146,38 +140,24 @@ def read_status(out_dir: Path) -> RunStatus:
         st.pid = lock_pid(out_dir)
         with contextlib.suppress(OSError, orjson.JSONDecodeError):
             st.live = orjson.loads((out_dir / "live.json").read_bytes())
+    counted = tally(current(plan, entries), CategoryStatus)
+    st.categories = counted.categories
     failures: Counter[str] = Counter()
     flags: Counter[str] = Counter()
     configurations: Counter[str] = Counter()
-    planned_ids = set()
-    for p in plan:
-        planned_ids.add(p["id"])
-        cat = st.categories.setdefault(p["category"], CategoryStatus())
-        cat.total += 1
-        e = entries.get(p["id"])
-        if e is None or e.fp != p["fingerprint"]:
-            cat.pending += 1
-        elif e.status == "done":
-            cat.done += 1
-            cat.truncated += e.trunc
-            cat.output_tokens += e.otok
-            configurations[e.cfg or UNVERIFIED] += 1
-            if e.flags:
-                flags.update(e.flags)
-                cat.flagged += bool(quality_flags(e.flags))
-        else:
-            cat.failed += 1
-            failures[(e.reason or "error").split(":", 1)[0]] += 1
+    for category, e in counted.done:
+        configurations[e.configuration or UNVERIFIED] += 1
+        if e.flags:
+            flags.update(e.flags)
+            st.categories[category].flagged += bool(quality_flags(e.flags))
+    for _, e in counted.failed:
+        failures[(e.reason or "error").split(":", 1)[0]] += 1
     for name in ("total", "done", "failed", "truncated", "pending", "output_tokens", "flagged"):
         setattr(st, name, sum(getattr(c, name) for c in st.categories.values()))
+    planned_ids = {p["id"] for p in plan}
     st.stale = sum(1 for i in entries if i not in planned_ids)
     st.failures = dict(failures)
     st.flags = dict(flags)
     st.configurations = dict(configurations)
-    try:
-        st.rejected = sum(1 for line in (out_dir / REJECTED).read_bytes().splitlines() if line)
-    except FileNotFoundError:
-        st.rejected = 0
-    except OSError as e:
-        raise StoreError(f"{out_dir / REJECTED}: cannot read: {e.strerror}") from None
+    st.rejected = count_rejected(out_dir)
     return st

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from draftgen.errors import StoreError
+from draftgen.servers.process import pid_alive
 from draftgen.store.reading import is_running, lock_pid
 
 LOG = "run.log"
@@ -54,22 +55,9 @@ def stop_run(out_dir: Path, *, timeout_s: float = 120.0) -> bool:
     deadline = time.monotonic() + timeout_s
     # Done when the process is gone, not only the lock: it still prints its summary and
     # stops any server it launched after letting go of the directory.
-    while is_running(out_dir) or _alive(pid):
+    while is_running(out_dir) or pid_alive(pid):
         if time.monotonic() > deadline:
             raise StoreError(f"{out_dir}: the run (pid {pid}) did not stop within "
                              f"{timeout_s:.0f}s; signal it again to abort")
         time.sleep(0.2)
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) has finished its work.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True

@@ -17,17 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-import aiohttp
 import orjson
 
+from draftgen.client.http import Session, open_session
+from draftgen.client.load import LoadPoller
 from draftgen.clock import Clock
 from draftgen.running.metrics import MetricsExporter
 from draftgen.running.stats import RunStats, ServerSnapshot
 from draftgen.schedule.base import Scheduler
-from draftgen.schedule.load import LoadPoller
 from draftgen.schedule.pool import ServerPool, ServerState
-from draftgen.schedule.readings import ServerLoad
-from draftgen.servers.info import bearer
+from draftgen.servers.engines.load import ServerLoad
 from draftgen.store.atomic import write_atomic
 
 EVENTS = "events.jsonl"
@@ -77,14 +76,14 @@ class RunMonitor:
         self._give_up = give_up
         self._log = log
         self._metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
+        self._session: Session | None = None
         self._pollers: dict[str, LoadPoller] = {}
         self.loads: dict[str, ServerLoad] = {}
         self._last_series = float("-inf")
         stats.server_view = lambda: tuple(self._server_view())
 
     async def __aenter__(self) -> RunMonitor:
-        self._session = aiohttp.ClientSession(headers=bearer(self._api_key))
+        self._session = open_session(self._api_key)
         self._pollers = {
             s.url: LoadPoller(self._session, s.url, clock=self._clock, log=self._log)
             for s in self._pool.servers

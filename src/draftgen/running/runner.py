@@ -14,7 +14,6 @@ import asyncio
 import signal
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
 from draftgen.store import RunStore
 from draftgen.store.reading import UNVERIFIED
+from draftgen.store.tally import CategoryTally, tally
 from draftgen.store.writer import OutcomeWriter
 
 
@@ -111,7 +111,7 @@ class Runner:
                 raise JobError(f"--redo-config: no configuration {', '.join(unknown)} in "
                                f"{self.opts.out_dir} (`draftgen status` lists them)")
             regenerate = {e.id for e in store.entries.values()
-                          if (e.cfg or UNVERIFIED) in rejected}
+                          if (e.configuration or UNVERIFIED) in rejected}
             self._rejected = rejected
             todo = store.pending(plan.samples, retry_failed=self.opts.retry_failed,
                                  redo_changed=self.opts.redo_changed, redo=escalating,
@@ -121,7 +121,7 @@ class Runner:
             self._servers = AttachedServers(self.job, list(self.opts.servers),
                                             self.opts.out_dir / "servers", api_key=api_key)
             events = EventLog(self.opts.out_dir)
-            self.scheduler._log = events.add
+            self.scheduler.set_log(events.add)
             try:
                 async with AsyncExitStack() as stack:
                     client = await stack.enter_async_context(ChatClient(
@@ -135,7 +135,7 @@ class Runner:
                     done = {i for i, e in store.entries.items() if e.status == "done"}
                     # As an earlier run decided: what it set aside is not work to wait for.
                     fitted = await start.fit(plan, todo, saved=saved, done=done, quiet=True)
-                    if fitted[1]:
+                    if fitted.todo:
                         await stack.enter_async_context(self._servers)
                         self._urls = self._servers.urls
                         if not self._urls:
@@ -181,29 +181,17 @@ class Runner:
         return summary
 
     def _count_plan(self, plan: Plan, store: RunStore, todo: set[str]) -> None:
-        done: Counter[str] = Counter()
-        failed: Counter[str] = Counter()
-        trunc: Counter[str] = Counter()
-        toks: Counter[str] = Counter()
-        planned: Counter[str] = Counter()
         max_tokens: dict[str, int] = {}
         for s in plan.samples:
-            planned[s.category] += 1
             max_tokens[s.category] = max(max_tokens.get(s.category, 0), s.max_tokens)
-            e = store.entries.get(s.id)
-            if e is None or s.id in todo:
-                continue
-            if e.status == "done":
-                done[s.category] += 1
-                trunc[s.category] += e.trunc
-                toks[s.category] += e.otok
-            else:
-                failed[s.category] += 1
-        for cat, n in planned.items():
-            self.stats.plan(cat, planned=n, max_tokens=max_tokens[cat])
-            self.stats.already(cat, done=done[cat], failed=failed[cat], truncated=trunc[cat],
-                               output_tokens=toks[cat])
-            self.scheduler.learn_prior(cat, done[cat], toks[cat])
+        # What earlier runs did: the entries of the samples this run will not send again.
+        counted = tally(((s.category, None if s.id in todo else store.entries.get(s.id))
+                         for s in plan.samples), CategoryTally)
+        for cat, c in counted.categories.items():
+            self.stats.plan(cat, planned=c.total, max_tokens=max_tokens[cat])
+            self.stats.already(cat, done=c.done, failed=c.failed, truncated=c.truncated,
+                               output_tokens=c.output_tokens)
+            self.scheduler.learn_prior(cat, c.done, c.output_tokens)
 
     def _manifest_start(self, store: RunStore, plan: Plan) -> dict[str, Any]:
         manifest = store.read_manifest() or {"created_at": time.time(), "runs": []}

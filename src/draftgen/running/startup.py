@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from draftgen.client import ChatClient
 from draftgen.client.context import context_length, prompt_tokens
@@ -28,6 +28,14 @@ from draftgen.sample import Sample
 SAY_EVERY_S = 10.0
 # Prompt counts asked of a server at once.
 COUNT_CONCURRENCY = 8
+
+
+class Fitted(NamedTuple):
+    """The plan fitted to the context, the samples to send, and what to record of it."""
+
+    plan: Plan
+    todo: list[Sample]
+    context: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -69,8 +77,7 @@ class StartUp:
             delay = min(delay * 2, SAY_EVERY_S)
 
     async def fit(self, plan: Plan, todo: list[Sample], *, saved: Mapping[str, Any],
-                  done: set[str], quiet: bool = False,
-                  ) -> tuple[Plan, list[Sample], dict[str, Any]]:
+                  done: set[str], quiet: bool = False) -> Fitted:
         """The plan and the samples to send, fitted to the smallest context a server
         reports (else the one recorded by an earlier run); and what to record of it.
         `quiet`: a first look, before any server was asked."""
@@ -80,7 +87,7 @@ class StartUp:
             if todo and self.contexts:
                 self.say("warning: no server reports its context length; prompts are not "
                          "checked against it")
-            return plan, todo, {}
+            return Fitted(plan, todo, {})
         counts: dict[str, int] = {}
         if saved.get("tokens") == context:
             counts.update(saved.get("prompt_tokens") or {})
@@ -95,7 +102,7 @@ class StartUp:
             self.say(f"context {context} tokens: {set_aside} prompt(s) set aside as too long, "
                      f"{shortened} sent with a smaller max_tokens (over_context: "
                      f"{self.job.over_context})")
-        return plan, todo, {"tokens": context, "prompt_tokens": counts}
+        return Fitted(plan, todo, {"tokens": context, "prompt_tokens": counts})
 
     async def _count(self, samples: list[Sample]) -> dict[str, int]:
         """The servers' own prompt counts (template included) for `samples`."""

@@ -1,3 +1,4 @@
+# long: one policy on one state per server; bench/ sets its constants here by name (adaptive@N=V)
 """Capacity-aware admission: keep the KV cache full, but not over-full, at every moment ahead.
 
 A server takes a new request while the KV tokens that everything in flight on it is
@@ -34,6 +35,13 @@ Before that limit is known, and whatever else binds, a server gets at most a few
 that have not begun to answer (`UNANSWERED`): each first token lets one more go. The first
 burst then reaches the server as fast as it prefills, instead of all at once, and what waits
 there when its limit is reached is a handful, not the whole overshoot.
+
+Every rule is paced by the clock of the readings (`ServerLoad.at`), not by their count, so a
+poll interval of 0.5 s, 1 s or 5 s ramps, cools down and learns at the same speed: the fast
+start and the push-up grow the target by a rate per second (their step per
+`STEP_EVERY_S`, compounded over the time since the last reading), a back-off settles and
+cools down for a number of seconds, and a running limit needs its evidence held for
+`SLOT_EVIDENCE_S` over at least two readings.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ from draftgen.sample import Sample
 from draftgen.schedule.base import Flight, PartitionView, Scheduler
 from draftgen.schedule.pool import ServerState
 from draftgen.schedule.prefixes import SharedPrefixes
-from draftgen.schedule.readings import ServerLoad
+from draftgen.servers.engines.load import ServerLoad
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 2.0
@@ -64,22 +72,25 @@ SLOT_QUEUE = 1
 # readings in a row.
 SLOT_EVIDENCE_KV = 0.80
 SLOT_READINGS = 2
+SLOT_EVIDENCE_S = 0.5
 # Requests on a server that have not begun to answer (waiting or in prefill) at most.
 UNANSWERED = 16
 # Requests finished under the current target before it may rise: what a change does shows
 # only once the requests in flight have turned over.
 PUSH_EVIDENCE = 4
-# Readings after a back-off before the target may rise again: a preemption burst shows
+# Seconds after a back-off before the target may rise again: a preemption burst shows
 # over several readings, and pushing straight back up would oscillate.
-COOL_DOWN = 5
-# Readings after a back-off before preemptions count again: what was admitted before it
+COOL_DOWN_S = 2.5
+# Seconds after a back-off before preemptions count again: what was admitted before it
 # still has to finish, so the next reading often shows the same excess.
-SETTLE = 2
-# Fast start: until lengths are learned, the target rises by this much a reading while the
-# server's KV usage reads under FAST_START_KV with no queue and no preemption.
+SETTLE_S = 1.0
+# The fast start's and the push-up's steps are per this many seconds of readings (the
+# bench's poll interval, where they were measured), compounded over the time between two.
+STEP_EVERY_S = 0.5
+# Fast start: until lengths are learned, the target rises by this much every STEP_EVERY_S
+# while the server's KV usage reads under FAST_START_KV with no queue and no preemption.
 FAST_START_STEP = 1.25
 FAST_START_KV = 0.80
-FAST_START_KEEP = 0.0  # share of the margin above ×1.0 kept once lengths are learned
 STEPS = 16  # look-ahead points over the longest max_tokens
 TAIL_QUANTILE = 0.99  # the length a partition's last answers may run to
 
@@ -93,18 +104,32 @@ class _ServerControl:
     kv_usage: float | None = None
     running: int | None = None
     block: int = 1  # KV allocation granularity in tokens
-    calm: int = COOL_DOWN  # readings since the last back-off
+    backed_off_at: float = float("-inf")  # the reading time of the last back-off
+    last_at: float | None = None  # the previous reading's time
     preempted: int = 0  # since the last change of target
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
     slot_evidence: int = 0  # readings in a row: a queue, room in the cache, `slot_running`
+    slot_since: float = 0.0  # the first of them
     slot_running: int = 0
     fast: bool = True  # fast start: until the first back-off
 
     @property
     def target(self) -> float | None:
         return None if self.capacity is None else self.capacity * self.factor
+
+
+@dataclass(frozen=True, slots=True)
+class _Reading:
+    """One load reading, as the rules of `on_load` weigh it."""
+
+    load: ServerLoad
+    new_preempt: int  # preemptions/retractions since the last reading
+    growing: bool  # the server queue grew, not from preemptions and not with room to spare
+    at_target: bool  # the projection is at its target: the client is the limit
+    calm_s: float  # seconds since the last back-off
+    steps: float  # the time since the last reading, in STEP_EVERY_S
 
 
 class AdaptiveScheduler(Scheduler):
@@ -214,12 +239,40 @@ class AdaptiveScheduler(Scheduler):
     # --- feedback -------------------------------------------------------------------
 
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
-        c = self.control(server.url)
+        url = server.url
+        c = self.control(url)
         c.projection = None  # requests have written more since the last one
+        new_preempt = self._read_counters(url, c, load)
+        # A queue while the cache has room: the server's limit on running requests
+        # (vLLM --max-num-seqs, SGLang --max-running-requests) binds, not its KV.
+        room = load.kv_usage is not None and load.kv_usage < KV_TARGET and not new_preempt
+        self._learn_slots(url, c, load, room)
+        # Preempted requests wait at the server too; that growth is judged as preemptions.
+        growing = (load.waiting is not None and c.waiting is not None and not new_preempt
+                   and not room and load.waiting > QUEUE_OK and load.waiting > c.waiting)
+        c.waiting, c.kv_usage, c.running = load.waiting, load.kv_usage, load.running
+        if c.capacity is None:
+            return
+        self._end_fast_start(url, c)
+        target = c.capacity * c.factor
+        at_target = max(self._projection(url)) >= 0.9 * target
+        since = STEP_EVERY_S if c.last_at is None else load.at - c.last_at
+        c.last_at = load.at
+        reading = _Reading(load, new_preempt, growing, at_target,
+                           calm_s=load.at - c.backed_off_at, steps=max(since, 0.0) / STEP_EVERY_S)
+        # The first rule that applies decides what this reading does to the target.
+        for rule in (self._back_off_preempted, self._back_off_queue, self._fast_start,
+                     self._push_up):
+            if rule(url, c, reading):
+                return
+
+    def _read_counters(self, url: str, c: _ServerControl, load: ServerLoad) -> int:
+        """Block size, capacity and preemption count from a reading; returns the
+        preemptions/retractions since the last one."""
         if load.kv_block_tokens:
             c.block = load.kv_block_tokens
         if load.kv_capacity_tokens and load.kv_capacity_tokens != c.capacity:
-            self._log(f"{server.url}: capacity {load.kv_capacity_tokens:,} KV tokens")
+            self._log(f"{url}: capacity {load.kv_capacity_tokens:,} KV tokens")
             c.capacity = load.kv_capacity_tokens
         new_preempt = 0
         if load.preemptions_total is not None:
@@ -227,55 +280,69 @@ class AdaptiveScheduler(Scheduler):
                 new_preempt = max(0, load.preemptions_total - c.preemptions)
             c.preemptions = load.preemptions_total
         c.preempted += new_preempt
-        # A queue while the cache has room: the server's limit on running requests
-        # (vLLM --max-num-seqs, SGLang --max-running-requests) binds, not its KV.
-        room = load.kv_usage is not None and load.kv_usage < KV_TARGET and not new_preempt
-        self._learn_slots(server.url, c, load, room)
-        # Preempted requests wait at the server too; that growth is judged as preemptions.
-        growing = (load.waiting is not None and c.waiting is not None and not new_preempt
-                   and not room and load.waiting > QUEUE_OK and load.waiting > c.waiting)
-        c.waiting, c.kv_usage, c.running = load.waiting, load.kv_usage, load.running
-        if c.capacity is None:
-            return
+        return new_preempt
+
+    def _end_fast_start(self, url: str, c: _ServerControl) -> None:
         if c.fast and self.books.lengths.learned:
             # The fast start corrected a prior that expected every answer to run to
             # max_tokens; the lengths learned now replace it, and so the correction goes.
             c.fast = False
             if c.factor > 1.0:
-                self._set(server.url, c, 1.0 + FAST_START_KEEP * (c.factor - 1.0),
+                self._set(url, c, 1.0,
                           "lengths learned: the fast start's margin is no longer needed")
-        target = c.capacity * c.factor
-        at_target = max(self._projection(server.url)) >= 0.9 * target
-        c.calm += 1
-        if c.preempted > PREEMPT_OK * c.finished + PREEMPT_SLACK:
-            if c.calm > SETTLE:
-                self._set(server.url, c, c.factor * BACK_OFF_PREEMPT,
-                          f"{c.preempted} preemption(s)/retraction(s) for {c.finished} "
-                          "request(s) finished")
-                c.calm = 0
-            c.fast = False
-        elif growing:
-            self._set(server.url, c, c.factor * BACK_OFF_QUEUE,
-                      f"server queue growing: {load.waiting} waiting")
-            c.calm = 0
-            c.fast = False
-        elif (c.fast and at_target and not self._unanswered(server.url)
-              and (load.waiting or 0) <= QUEUE_OK and not new_preempt
-              and load.kv_usage is not None and load.kv_usage < FAST_START_KV):
-            # Before any length is learned the projection expects every answer to run to
-            # max_tokens (or to an earlier run's mean) and all at once: the cache reads
-            # emptier than that, so trust the reading until the first sign of too much —
-            # a reading taken once everything sent has begun to answer, so it shows it.
-            self._set(server.url, c, c.factor * FAST_START_STEP,
-                      f"fast start: KV usage {load.kv_usage:.0%}, server queue "
-                      f"{load.waiting or 0}, no preemption")
-        elif (c.calm >= COOL_DOWN and at_target and c.finished >= PUSH_EVIDENCE
-              and self.books.lengths.learned
-              and ((load.waiting or 0) == 0
-                   or (load.kv_usage is not None and load.kv_usage < KV_TARGET))):
-            usage = "unknown" if load.kv_usage is None else f"{load.kv_usage:.0%}"
-            self._set(server.url, c, c.factor * PUSH_UP,
-                      f"at target, server queue {load.waiting or 0}, KV usage {usage}")
+
+    def _back_off_preempted(self, url: str, c: _ServerControl, r: _Reading) -> bool:
+        """More preemptions than the requests finished allow: back off, unless the last
+        back-off has yet to settle; either way the fast start is over."""
+        if c.preempted <= PREEMPT_OK * c.finished + PREEMPT_SLACK:
+            return False
+        if r.calm_s > SETTLE_S:
+            self._set(url, c, c.factor * BACK_OFF_PREEMPT,
+                      f"{c.preempted} preemption(s)/retraction(s) for {c.finished} "
+                      "request(s) finished")
+            c.backed_off_at = r.load.at
+        c.fast = False
+        return True
+
+    def _back_off_queue(self, url: str, c: _ServerControl, r: _Reading) -> bool:
+        """The server queue grows: back off."""
+        if not r.growing:
+            return False
+        self._set(url, c, c.factor * BACK_OFF_QUEUE,
+                  f"server queue growing: {r.load.waiting} waiting")
+        c.backed_off_at = r.load.at
+        c.fast = False
+        return True
+
+    def _fast_start(self, url: str, c: _ServerControl, r: _Reading) -> bool:
+        """Before lengths are learned, at target with the cache reading well under it:
+        step up."""
+        load = r.load
+        if not (c.fast and r.at_target and not self._unanswered(url)
+                and (load.waiting or 0) <= QUEUE_OK and not r.new_preempt
+                and load.kv_usage is not None and load.kv_usage < FAST_START_KV):
+            return False
+        # Before any length is learned the projection expects every answer to run to
+        # max_tokens (or to an earlier run's mean) and all at once: the cache reads
+        # emptier than that, so trust the reading until the first sign of too much —
+        # a reading taken once everything sent has begun to answer, so it shows it.
+        self._set(url, c, c.factor * FAST_START_STEP ** r.steps,
+                  f"fast start: KV usage {load.kv_usage:.0%}, server queue "
+                  f"{load.waiting or 0}, no preemption")
+        return True
+
+    def _push_up(self, url: str, c: _ServerControl, r: _Reading) -> bool:
+        """Calm, at target, lengths learned, and the server has room: push up."""
+        load = r.load
+        if not (r.calm_s >= COOL_DOWN_S and r.at_target and c.finished >= PUSH_EVIDENCE
+                and self.books.lengths.learned
+                and ((load.waiting or 0) == 0
+                     or (load.kv_usage is not None and load.kv_usage < KV_TARGET))):
+            return False
+        usage = "unknown" if load.kv_usage is None else f"{load.kv_usage:.0%}"
+        self._set(url, c, c.factor * PUSH_UP ** r.steps,
+                  f"at target, server queue {load.waiting or 0}, KV usage {usage}")
+        return True
 
     def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
         """How many requests the server runs at once, when that, not KV, makes it queue.
@@ -309,9 +376,13 @@ class AdaptiveScheduler(Scheduler):
             c.slot_evidence = 0
             return
         # A limit holds the count still; a first burst still being prefilled raises it.
-        c.slot_evidence = c.slot_evidence + 1 if running == c.slot_running else 1
+        if running == c.slot_running and c.slot_evidence:
+            c.slot_evidence += 1
+        else:
+            c.slot_evidence, c.slot_since = 1, load.at
         c.slot_running = running
-        if c.slot_evidence >= SLOT_READINGS and running != c.max_running:
+        held = load.at - c.slot_since >= SLOT_EVIDENCE_S
+        if c.slot_evidence >= SLOT_READINGS and held and running != c.max_running:
             c.max_running = running
             self._log(f"{url}: runs at most {running} requests at once ({waiting} waiting "
                       f"with KV usage {load.kv_usage:.0%}, {c.slot_evidence} readings in a "

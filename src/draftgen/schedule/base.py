@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from draftgen.sample import Sample
 from draftgen.schedule.lengths import Lengths
 from draftgen.schedule.pool import ServerState
-from draftgen.schedule.readings import ServerLoad
+from draftgen.servers.engines.load import ServerLoad
 
 
 @dataclass(slots=True)
@@ -59,6 +59,10 @@ class Scheduler:
 
     def __init__(self, log: Callable[[str], None] | None = None) -> None:
         self.books = Books()
+        self.set_log(log)
+
+    def set_log(self, log: Callable[[str], None] | None) -> None:
+        """Where the policy says what it decided (a run's event log); None: nowhere."""
         self._log = log or (lambda _msg: None)
 
     def learn_prior(self, category: str, done: int, output_tokens: int) -> None:

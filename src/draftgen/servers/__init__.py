@@ -1,19 +1,23 @@
 """Inference servers: profiles, launch argv, what a running server reports, quality policy.
 
-    profile.py    ServerProfile (YAML, validated) and its hash
-    base.py       the Engine contract and ServerInfo; sglang.py and vllm.py implement it
+    engines/      the engine family: one folder per engine and the contract they implement
+    profile.py    ServerProfile (YAML, validated) and its hash; tune_section.py its `tune:`
     info.py       fetch_server_info: what a running server uses (engine detected by URL)
+    preflight.py  host RAM and GPU memory before a launch
+    attach.py     a run's servers: launch, verify, configurations
     policy.py     refuse lossy or `auto` KV cache dtypes; the override's manifest stamp
     launcher.py   start / wait_ready / verify / stop / restart, state under state_dir/<name>
+    keys.py       a launched server's API key, the secrets of a launch, readiness with the key
     gpu.py        per-GPU memory headroom from nvidia-smi
     summary.py    the one-line summary and what a restart changed
-    serve_cli.py  `draftgen serve`
     process.py    process-group plumbing shared with the local engine
 """
 
-from draftgen.servers.base import Engine, ServerInfo, ServerInfoError
+from draftgen.servers.engines.base import Engine
+from draftgen.servers.engines.info import ServerInfo, ServerInfoError
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, read_gpu_memory
-from draftgen.servers.info import check_health, engine_for, fetch_server_info, manifest_record
+from draftgen.servers.info import check_health, fetch_server_info, manifest_record
 from draftgen.servers.launcher import (
     LaunchError,
     ServerHandle,
@@ -30,7 +34,6 @@ from draftgen.servers.launcher import (
 )
 from draftgen.servers.policy import QualityPolicyError, check_profile, check_running
 from draftgen.servers.profile import ServerProfile, load_profile, profile_hash
-from draftgen.servers.serve_cli import serve
 from draftgen.servers.summary import capacity_change, summary_line
 
 __all__ = [
@@ -58,7 +61,6 @@ __all__ = [
     "read_handle",
     "restart",
     "running",
-    "serve",
     "start",
     "stop",
     "summary_line",

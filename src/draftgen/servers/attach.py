@@ -21,8 +21,9 @@ from urllib.parse import urlsplit
 
 from draftgen.errors import JobError
 from draftgen.job import JobSpec
-from draftgen.servers.base import ServerInfoError, configuration_id
-from draftgen.servers.info import engine_for, fetch_server_info, manifest_record
+from draftgen.servers.engines.info import ServerInfoError, configuration_id
+from draftgen.servers.engines.registry import engine_for
+from draftgen.servers.info import fetch_server_info, manifest_record
 from draftgen.servers.launcher import launch, stop
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.process import find_free_port
@@ -92,7 +93,8 @@ class AttachedServers:
                 raise KeyboardInterrupt
 
         attempt = asyncio.ensure_future(asyncio.to_thread(launch, profile, port=port,
-                                                          on_wait=on_wait))
+                                                          on_wait=on_wait,
+                                                          api_key=self.api_key))
         try:
             verified = await asyncio.shield(attempt)
         except asyncio.CancelledError:
@@ -155,7 +157,8 @@ class AttachedServers:
         if not record["verified"]:
             self.log(f"warning: {url}: quality policy not verified ({record['reason']})")
         if record.get("seeds_honoured") is False and self.job.sampling.seed is not None:
-            self.log(f"warning: {url}: per-sample seeds ignored by this engine (SGLang without "
+            name = engine_for(str(record["engine"])).display_name
+            self.log(f"warning: {url}: per-sample seeds ignored by this engine ({name} without "
                      "--enable-deterministic-inference; profile: deterministic_inference: true)")
         self.records.append(record)
         return {**record, "changed_mid_run": changed}

@@ -1,8 +1,8 @@
 """Read what a running server actually uses, whichever engine it is.
 
-SGLang answers `/server_info` (older `/get_server_info`); vLLM publishes `vllm:` metrics.
-`fetch_server_info` asks each engine in turn and returns the first answer, so a URL needs
-no label. This is what `run` records in the manifest and what the quality policy checks.
+`fetch_server_info` asks each engine of the registry in turn and returns the first answer,
+so a URL needs no label. This is what `run` records in the manifest and what the quality
+policy checks.
 """
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ from typing import Any
 
 import aiohttp
 
-from draftgen.servers.base import Engine, ServerInfo, ServerInfoError
+from draftgen.servers.engines.info import ServerInfo, ServerInfoError
+from draftgen.servers.engines.registry import ENGINES, engine_for
 from draftgen.servers.profile import ServerProfile, profile_hash
-from draftgen.servers.sglang import SGLang
-from draftgen.servers.vllm import VLLM
-
-ENGINES: dict[str, Engine] = {"sglang": SGLang(), "vllm": VLLM()}
 
 __all__ = [
-    "ENGINES",
     "ServerInfo",
     "ServerInfoError",
     "bearer",
@@ -30,13 +26,6 @@ __all__ = [
     "fetch_server_info",
     "manifest_record",
 ]
-
-
-def engine_for(name: str) -> Engine:
-    try:
-        return ENGINES[name]
-    except KeyError:
-        raise ServerInfoError(f"unknown engine {name!r}; known: {sorted(ENGINES)}") from None
 
 
 def bearer(api_key: str | None) -> dict[str, str] | None:
@@ -81,9 +70,8 @@ async def fetch_server_info(
             if info is not None:
                 return info
     expected = name or " or ".join(ENGINES)
-    raise ServerInfoError(
-        f"{base} does not answer like {expected}: no /server_info and no vllm: metrics"
-    )
+    signs = " and no ".join(c.signature for c in candidates)
+    raise ServerInfoError(f"{base} does not answer like {expected}: no {signs}")
 
 
 async def check_health(

@@ -1,3 +1,4 @@
+# long: a server's whole life on the files it owns: start, readiness (with its key), verify, stop
 """Launch a server from a profile, detached, and own it through files on disk.
 
 Each server has a folder `<state_dir>/<name>/`:
@@ -10,6 +11,8 @@ Each server has a folder `<state_dir>/<name>/`:
 The server leads its own process group inside our session (see `process.py`), so a later
 `draftgen serve --stop`, from another process, stops it and every worker it forked. It is
 ready only when a real one-token generation succeeds, not when a port opens.
+A server launched with an API key is asked with one, and no key reaches a file or an error
+(`keys.py`); a 401 or 403 while it starts is an `ApiKeyRefused` at once.
 """
 
 from __future__ import annotations
@@ -20,19 +23,19 @@ import json
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draftgen.errors import DraftgenError
-from draftgen.servers.base import ServerInfo, ServerInfoError
+from draftgen.errors import DraftgenError, redact
+from draftgen.servers import keys
+from draftgen.servers.engines.info import ServerInfo, ServerInfoError
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, min_headroom_gib, read_gpu_memory, visible_indices
-from draftgen.servers.info import engine_for, fetch_server_info
-from draftgen.servers.install import detect_install
+from draftgen.servers.info import fetch_server_info
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.preflight import Preflight, preflight
 from draftgen.servers.process import (
-    answers_chat,
     find_free_port,
     group_alive,
     log_tail,
@@ -41,6 +44,7 @@ from draftgen.servers.process import (
     port_in_use,
     process_start_ticks,
     terminate_group,
+    wait_child,
 )
 from draftgen.servers.profile import ServerProfile, profile_hash
 from draftgen.servers.summary import summary_line
@@ -59,6 +63,11 @@ class LaunchError(DraftgenError):
     """A server could not be started, died while starting, or never answered."""
 
 
+class ApiKeyRefused(LaunchError):
+    """The server answered 401 or 403 while starting: the key sent is not its key."""
+
+
+
 @dataclass(frozen=True)
 class ServerHandle:
     name: str
@@ -74,6 +83,9 @@ class ServerHandle:
     started_at: float
     # When the pid started (Linux): a recycled pid must never receive our signals.
     start_ticks: int | None = None
+    # Its key and the secrets of its launch: never written (not in a handle read back).
+    api_key: str | None = field(default=None, repr=False, compare=False)
+    secrets: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def log_path(self) -> Path:
@@ -81,6 +93,7 @@ class ServerHandle:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["api_key"], data["secrets"]
         data["argv"] = list(self.argv)
         data["dir"] = str(self.dir)
         return data
@@ -162,14 +175,16 @@ def start(profile: ServerProfile, *, port: int | None = None) -> ServerHandle:
     if not checked.ok:
         raise LaunchError("preflight: " + "; ".join(checked.problems))
     argv = engine.argv(profile, port=chosen,
-                       install=detect_install(profile.engine, profile.interpreter))
+                       install=engine.installed(profile.interpreter))
+    secrets = keys.launch_secrets(profile)
+    shown = tuple(redact(a, secrets) for a in argv)
     folder = profile.state_path
     folder.mkdir(parents=True, exist_ok=True)
     log_path = folder / LOG_FILE
     with log_path.open("ab") as log:
         log.write(
             f"\n=== draftgen serve: starting at {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-            f"{' '.join(argv)}\n".encode()
+            f"{' '.join(shown)}\n".encode()
         )
         log.flush()
         try:
@@ -191,11 +206,13 @@ def start(profile: ServerProfile, *, port: int | None = None) -> ServerHandle:
         url=engine.url(profile, chosen),
         port=chosen,
         model=profile.served_name or profile.model_path,
-        argv=tuple(argv),
+        argv=shown,
         dir=folder,
         profile_hash=profile_hash(profile),
         started_at=time.time(),
         start_ticks=process_start_ticks(proc.pid),
+        api_key=keys.launch_key(profile),
+        secrets=secrets,
     )
     write_atomic(folder / PID_FILE, f"{proc.pid}\n".encode())
     _write_state(handle, "starting", profile=profile)
@@ -213,15 +230,18 @@ def wait_ready(
     timeout_s: float = 1800.0,
     on_wait: Callable[[float], None] | None = None,
     *,
+    api_key: str | None = None,
     poll_s: float = 1.0,
     monotonic: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
     """Return once a real one-token chat completion succeeds; `on_wait(elapsed_s)` per poll.
 
+    Sent with `api_key`, else its launch key; `ApiKeyRefused` at once at a 401 or 403.
     Raises `LaunchError`, with the end of the server's log, if the server exits or does not
     answer within `timeout_s`. The server is left as it is: the caller decides to stop it.
     """
+    key = api_key or handle.api_key
     started = monotonic()
     attempt = 0
     while True:
@@ -230,19 +250,23 @@ def wait_ready(
             child = _children.get(handle.pid)
             code = f"code {child.returncode}" if child is not None else "unknown status"
             raise LaunchError(
-                f"{handle.engine} exited ({code}) while starting\n{log_tail(handle.log_path)}"
+                f"{handle.engine} exited ({code}) while starting\n"
+                + redact(log_tail(handle.log_path), (*handle.secrets, key))
             )
         elapsed = monotonic() - started
         probe_s = max(1.0, min(30.0, timeout_s - elapsed))
+        answer = keys.chat_answer(handle.url, handle.model, key, probe_s)
+        if answer in (401, 403):
+            raise ApiKeyRefused(keys.refusal(handle.engine, handle.url, bool(key), answer))
         # Checked again after the answer: a stale server on the same port could answer
         # while ours is failing to bind it.
-        if answers_chat(handle.url, handle.model, timeout_s=probe_s) and is_alive(handle):
+        if answer == keys.READY and is_alive(handle):
             return
         elapsed = monotonic() - started
         if elapsed > timeout_s:
             raise LaunchError(
                 f"{handle.engine} did not answer a chat completion within {timeout_s:g} s\n"
-                f"{log_tail(handle.log_path)}"
+                + redact(log_tail(handle.log_path), (*handle.secrets, key))
             )
         if on_wait is not None:
             on_wait(elapsed)
@@ -250,13 +274,16 @@ def wait_ready(
         sleep(min(poll_s, 0.2 * attempt))
 
 
-async def averify(handle: ServerHandle, profile: ServerProfile) -> Verified:
-    """Read what the server runs with, apply the policy to it, and write summary.json.
+async def averify(handle: ServerHandle, profile: ServerProfile, *, api_key: str | None = None
+                  ) -> Verified:
+    """Read what the server runs with (asked as `wait_ready` asks), apply the policy, and
+    write summary.json.
 
     A server found running a lossy KV cache without the profile's override raises
     `QualityPolicyError`; the caller stops it.
     """
-    info = await fetch_server_info(handle.url, profile=profile)
+    key = api_key or handle.api_key or keys.launch_key(profile)
+    info = await fetch_server_info(handle.url, profile=profile, api_key=key)
     stamp = check_running(info, profile)
     env = engine_for(profile.engine).env(profile)
     gpus = await asyncio.to_thread(read_gpu_memory, only=visible_indices(env))
@@ -272,14 +299,15 @@ async def averify(handle: ServerHandle, profile: ServerProfile) -> Verified:
         "quality_override": stamp,
         "verified_at": time.time(),
     }
-    write_atomic(handle.dir / SUMMARY_FILE, _dump(record))
+    write_atomic(handle.dir / SUMMARY_FILE, keys.redacted_json(record, (*handle.secrets, key)))
     _write_state(handle, "up", profile=profile)
     return verified
 
 
-def verify(handle: ServerHandle, profile: ServerProfile) -> Verified:
+def verify(handle: ServerHandle, profile: ServerProfile, *, api_key: str | None = None
+           ) -> Verified:
     """`averify` for code without a running event loop (the CLI)."""
-    return asyncio.run(averify(handle, profile))
+    return asyncio.run(averify(handle, profile, api_key=api_key))
 
 
 def launch(
@@ -288,12 +316,14 @@ def launch(
     timeout_s: float = 1800.0,
     on_wait: Callable[[float], None] | None = None,
     port: int | None = None,
+    api_key: str | None = None,
 ) -> Verified:
-    """start + wait_ready + verify; on any failure (Ctrl+C included) the server is stopped."""
+    """start + wait_ready + verify (`api_key`: a job's); on any failure (Ctrl+C included)
+    the server is stopped."""
     handle = start(profile, port=port)
     try:
-        wait_ready(handle, timeout_s, on_wait)
-        return verify(handle, profile)
+        wait_ready(handle, timeout_s, on_wait, api_key=api_key)
+        return verify(handle, profile, api_key=api_key)
     except BaseException:
         stop(handle.dir)
         raise
@@ -310,7 +340,7 @@ def stop(target: ServerProfile | Path, timeout_s: float = 30.0) -> bool:
         child = _children.get(handle.pid)
         terminate_group(
             handle.pid,
-            _wait_child(child) if child is not None else poll_until_gone(handle.pid),
+            wait_child(child) if child is not None else poll_until_gone(handle.pid),
             timeout_s=timeout_s,
         )
     _children.pop(handle.pid, None)
@@ -347,23 +377,13 @@ def _current_or_last_info(
         return None
     if is_alive(previous):
         with contextlib.suppress(ServerInfoError):
-            return asyncio.run(fetch_server_info(previous.url, profile=profile))
+            return asyncio.run(fetch_server_info(previous.url, profile=profile,
+                                                 api_key=keys.launch_key(profile)))
     try:
         data = json.loads((previous.dir / SUMMARY_FILE).read_text())
         return ServerInfo.from_json(data["info"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def _wait_child(child: subprocess.Popen[bytes]) -> Callable[[float], bool]:
-    def exited(wait_s: float) -> bool:
-        try:
-            child.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
-    return exited
 
 
 def _write_state(
@@ -382,11 +402,9 @@ def _write_state(
     if profile is not None:
         record["profile"] = profile.model_dump(mode="json")
         record["profile_file"] = str(profile.source_file) if profile.source_file else None
-    write_atomic(path, _dump(record))
+    write_atomic(path, keys.redacted_json(record, (*handle.secrets, *(
+        keys.launch_secrets(profile) if profile is not None else ()))))
 
-
-def _dump(record: dict[str, Any]) -> bytes:
-    return (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode()
 
 
 def _round(v: float | None) -> float | None:

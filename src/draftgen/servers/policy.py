@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from draftgen.errors import DraftgenError
-from draftgen.servers.base import ServerInfo
 from draftgen.servers.dtypes import (
     AUTO,
     LOSSLESS_KV_DTYPES,
@@ -21,6 +20,7 @@ from draftgen.servers.dtypes import (
     is_known_lossy,
     is_lossy_kv_dtype,
 )
+from draftgen.servers.engines.info import ServerInfo
 from draftgen.servers.profile import ServerProfile, profile_hash
 
 

@@ -78,12 +78,13 @@ def _cgroup_headroom(cgroup: Path) -> int | None:
 
 def check_host_ram(profile: ServerProfile, available_bytes: int | None) -> Preflight:
     hicache = profile.hierarchical_cache
-    if profile.engine != "sglang" or not hicache.enabled or hicache.host_gb_per_rank is None:
+    # Only engines with the "hierarchical_cache" feature let a profile enable it.
+    if not hicache.enabled or hicache.host_gb_per_rank is None:
         return Preflight()
     ranks = gpu_ranks(profile)
     need = ranks * hicache.host_gb_per_rank * GB
     asked = (f"hierarchical_cache.host_gb_per_rank {hicache.host_gb_per_rank} × {ranks} ranks "
-             f"= {need / GB:,.0f} GB of host RAM (+ SGLang's 10 GiB reserve)")
+             f"= {need / GB:,.0f} GB of host RAM (+ the engine's 10 GiB reserve)")
     if available_bytes is None:
         return Preflight([f"{asked}: free host RAM unknown here, not checked"])
     usable = available_bytes - HICACHE_RESERVE_BYTES

@@ -1,4 +1,4 @@
-"""Process-group plumbing shared by the local engine and the server launcher.
+"""Process plumbing shared by the local engine, the server launcher and `draftgen stop`.
 
 A server runs as the leader of its own process group (`process_group=0`), so one signal
 reaches the API server and every worker it forked. It stays in our session: this kernel
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
@@ -114,8 +115,22 @@ def poll_until_gone(pid: int) -> Callable[[float], bool]:
     return exited
 
 
+def wait_child(child: subprocess.Popen[bytes]) -> Callable[[float], bool]:
+    """A `leader_exited` for our own child: `wait()` on it, which also reaps it."""
+
+    def exited(wait_s: float) -> bool:
+        try:
+            child.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    return exited
+
+
 def pid_alive(pid: int) -> bool:
-    """Alive and not a zombie: a dead child we have not reaped still has a pid."""
+    """Alive and not a zombie: a dead child we have not reaped still has a pid (and a
+    zombie has finished its work). A pid we may not signal is someone's live process."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

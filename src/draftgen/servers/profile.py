@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import (
     AliasChoices,
@@ -27,10 +27,21 @@ from pydantic import (
 )
 
 from draftgen.servers.dtypes import canonical_kv_dtype
-from draftgen.servers.tuning import TuneSpace
+from draftgen.servers.engines.registry import ENGINE_NAMES, engine_for, with_feature
+from draftgen.servers.tune_section import TuneSpace
 from draftgen.yamlfile import load_model
 
-EngineName = Literal["sglang", "vllm"]
+if TYPE_CHECKING:
+    EngineName = str
+else:  # the registry's names, so pydantic lists them when a profile names another
+    EngineName = Literal[ENGINE_NAMES]
+# What a feature is called in messages, and the profile fields that ask for it.
+_FEATURES = {
+    "dp_attention": "data-parallel attention",
+    "deterministic_inference": "--enable-deterministic-inference",
+    "hierarchical_cache": "--enable-hierarchical-cache",
+    "dcp": "decode context parallelism",
+}
 
 # Flags the profile owns. Given again in extra_args they would silently override a field,
 # and `--kv-cache-dtype` there would slip past the quality policy.
@@ -42,7 +53,7 @@ MANAGED_FLAGS = frozenset(
         "--gpu-memory-utilization", "--enable-hierarchical-cache", "--hicache-size",
         "--kv-cache-dtype", "--reasoning-parser", "--max-running-requests", "--max-num-seqs",
         "--context-length", "--max-model-len", "--dtype", "--attn-dp-size",
-        "--enable-deterministic-inference",
+        "--enable-deterministic-inference", "--dcp-size", "--decode-context-parallel-size",
     }
 )  # fmt: skip
 
@@ -67,11 +78,72 @@ class HierarchicalCache(_Strict):
         return self
 
 
+class ProbeSettings(_Strict):
+    """How `draftgen tune` probes a candidate against this profile's server (and the
+    defaults `draftgen probe` can be given on its command line): the size of the probe, and
+    the gate's confidence and tolerances (`probe/gate.py`)."""
+
+    prompts: int = Field(default=16, ge=2)
+    max_tokens: int = Field(default=32, ge=1)
+    top_k: int = Field(default=10, ge=1)
+    confidence: float = Field(default=0.99, gt=0.5, lt=1)
+    kl_margin: float = Field(default=0.0, ge=0)
+    top1_margin: float = Field(default=0.0, ge=0, le=1)
+    detect_kl: float = Field(default=1e-3, gt=0)
+    cache_read: bool = True
+
+
 class Quality(_Strict):
     # The one way to accept a lossy KV cache; stamped into every run manifest that uses it.
     allow_lossy_kv_cache: bool = False
     # Why the loss is acceptable; copied into the stamp.
     reason: str | None = None
+    probe: ProbeSettings = Field(default_factory=ProbeSettings)
+
+
+class MeasuredKV(_Strict):
+    """A KV capacity a server of this model really reported, and what it ran with: the point
+    the memory model fits its one unknown to (`servers/engines/memory.py`)."""
+
+    kv_tokens: int = Field(ge=1)
+    mem_fraction: float = Field(gt=0, le=1)
+    kv_cache_dtype: str = "bfloat16"
+    tp: int | None = Field(default=None, ge=1)  # None: the profile's
+    dp: int = Field(default=1, ge=1)
+    dp_attention: bool = False
+    dcp: int = Field(default=1, ge=1)
+    # Where the figure comes from (a log line, a run, an account).
+    source: str | None = None
+
+
+class Memory(_Strict):
+    """Facts for the memory model where they are not on this machine; not a server setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # The model's config.json (a file or a folder holding one), when `model_path` is not here.
+    model_config_path: str | None = Field(default=None, alias="model_config")
+    # One GPU's memory as the driver reports it (nvidia-smi's MiB), when no GPU is visible.
+    gpu_memory_mib: int | None = Field(default=None, ge=1)
+    # The checkpoint's size in decimal GB (its safetensors index's `total_size` / 1e9), when
+    # the files are elsewhere.
+    weights_gb: float | None = Field(default=None, gt=0)
+    measured: MeasuredKV | None = None
+
+
+class Speed(_Strict):
+    """The decode speed predictions assume where nothing was measured on this server:
+    (running requests, output tok/s) pairs, and where they come from."""
+
+    points: list[tuple[float, float]] = Field(min_length=1)
+    source: str | None = None
+
+    @field_validator("points")
+    @classmethod
+    def _positive(cls, v: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        if any(b <= 0 or r <= 0 for b, r in v):
+            raise ValueError("each point is (running requests, tok/s), both above 0")
+        return v
 
 
 class ServerProfile(_Strict):
@@ -87,6 +159,10 @@ class ServerProfile(_Strict):
     # `--attn-dp-size dp` where the installed SGLang has it, else `--dp-size dp
     # --enable-dp-attention` (deprecated in 0.5.23).
     dp_attention: bool = False
+    # Decode context parallelism: each KV pool's tokens sharded over `dcp` GPUs of the
+    # attention TP group (SGLang --dcp-size, vLLM --decode-context-parallel-size): for an MLA
+    # model, whose latent KV plain TP copies onto every GPU, up to `dcp` times the tokens.
+    dcp: int = Field(default=1, ge=1)
     # SGLang ignores a request's `seed` unless launched with --enable-deterministic-inference
     # (which restricts backends and costs speed); vLLM honours seeds without it.
     deterministic_inference: bool = False
@@ -114,8 +190,12 @@ class ServerProfile(_Strict):
     quality: Quality = Field(default_factory=Quality)
     # Where pid, log and state files go; default ~/.cache/draftgen/servers.
     state_dir: str | None = None
-    # What `draftgen tune` may try (servers/tuning.py); not a server setting.
+    # What `draftgen tune` may try (servers/tune_section.py); not a server setting.
     tune: TuneSpace | None = None
+    # Facts for the memory model (`serve --dry-run`, `plan --profile`); not a server setting.
+    memory: Memory | None = None
+    # The decode speed `plan --profile` and `tune --dry-run` assume; not a server setting.
+    speed: Speed | None = None
 
     @field_validator("kv_cache_dtype", "model_dtype")
     @classmethod
@@ -149,20 +229,24 @@ class ServerProfile(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ServerProfile:
-        if self.dp_attention and self.engine != "sglang":
-            raise ValueError("dp_attention: only SGLang has data-parallel attention")
-        if self.deterministic_inference and self.engine != "sglang":
-            raise ValueError("deterministic_inference: only SGLang needs it; vLLM honours "
-                             "per-request seeds as it is")
+        engine = engine_for(self.engine)
+        asked = {"dp_attention": self.dp_attention,
+                 "deterministic_inference": self.deterministic_inference,
+                 "hierarchical_cache": self.hierarchical_cache.enabled,
+                 "dcp": self.dcp > 1}
+        for feature, on in asked.items():
+            if on and feature not in engine.features:
+                having = " and ".join(e.display_name for e in with_feature(feature))
+                raise ValueError(f"{feature}: only {having} has {_FEATURES[feature]}; "
+                                 f"{engine.display_name} does not")
         if self.dp_attention and (self.dp < 2 or self.tp % self.dp):
             raise ValueError("dp_attention: needs dp >= 2 and tp divisible by dp")
-        if self.engine == "sglang" and self.kv_cache_dtype in ("float16", "float32"):
-            raise ValueError(
-                "kv_cache_dtype: SGLang's explicit 16-bit KV dtype is bfloat16 (bf16); "
-                f"it has no {self.kv_cache_dtype} choice"
-            )
-        if self.hierarchical_cache.enabled and self.engine != "sglang":
-            raise ValueError("hierarchical_cache: only SGLang has --enable-hierarchical-cache")
+        attn_tp = self.tp // self.dp if self.dp_attention else self.tp
+        if attn_tp % self.dcp:
+            raise ValueError(f"dcp: {self.dcp} must divide the attention TP group "
+                             f"({attn_tp} GPUs)")
+        if (problem := engine.profile_problem(self)) is not None:
+            raise ValueError(problem)
         for arg in self.extra_args:
             flag = arg.split("=", 1)[0].replace("_", "-")
             if flag in MANAGED_FLAGS:
@@ -208,10 +292,14 @@ def default_state_dir() -> Path:
 def profile_hash(profile: ServerProfile) -> str:
     """A stable hash of what the server runs with: same hash, same server settings.
 
-    Bookkeeping (state_dir, name) and the `tune` section are left out: moving the state
-    files, or listing what a tune may try, changes no token.
+    Bookkeeping (state_dir, name) and the `tune`, `memory` and `speed` sections are left
+    out: moving the state files, listing what a tune may try, or facts for predictions
+    change no token.
     """
-    data = profile.model_dump(mode="json", exclude={"state_dir", "name", "tune"})
+    data = profile.model_dump(mode="json",
+                              exclude={"state_dir", "name", "tune", "memory", "speed"})
+    if data.get("dcp") == 1:  # the default leaves the hash of every earlier profile as it was
+        del data["dcp"]
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -246,6 +334,10 @@ def resolve_paths(profile: ServerProfile, base_dir: Path) -> ServerProfile:
         draft = _resolve_path(spec.draft_model, base_dir, must_exist_unless_explicit=True)
         update["tune"] = profile.tune.model_copy(
             update={"speculative": spec.model_copy(update={"draft_model": draft})})
+    memory = profile.memory
+    if memory is not None and memory.model_config_path:
+        update["memory"] = memory.model_copy(update={"model_config_path": str(
+            (base_dir / Path(memory.model_config_path).expanduser()).resolve())})
     resolved = profile.model_copy(update=update)
     resolved._source_file = profile._source_file
     return resolved

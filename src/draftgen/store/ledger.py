@@ -15,36 +15,41 @@ from draftgen.gcpause import gc_paused
 # Not frozen: a frozen dataclass's __init__ costs ~3x more, and a restart builds 10^5 of them.
 @dataclass(slots=True)
 class LedgerEntry:
+    """One outcome. On disk each attribute has a compact key (`KEYS`, in this order)."""
+
     id: str
-    fp: str
+    fingerprint: str  # of the request the outcome answers (the plan's `fingerprint`)
     status: str  # "done" | "failed"
-    cat: str
-    part: str
-    shard: str | None = None
-    off: int = 0
-    len: int = 0
-    otok: int = 0
+    category: str
+    partition: str
+    shard: str | None = None  # where the record is: shard file, byte offset and length
+    offset: int = 0
+    length: int = 0
+    output_tokens: int = 0
     finish: str | None = None
-    trunc: bool = False
+    truncated: bool = False
     reason: str | None = None
     attempts: int = 0
-    t: float = 0.0
+    time: float = 0.0  # when it finished (unix time)
     # Output check codes (draftgen.quality.checks); None when clean or recorded before checks.
     flags: list[str] | None = None
     # The server configuration that wrote it (an id into the manifest's `configurations`).
-    cfg: str | None = None
+    configuration: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LedgerEntry:
         # Positional: ~2x faster than cls(**d) on a 10^5-line ledger. Absent keys were None.
-        return cls(*[d.get(k) for k in _FIELDS])  # type: ignore[arg-type]
+        return cls(*[d.get(k) for k in KEYS])  # type: ignore[arg-type]
 
     def to_line(self) -> bytes:
-        fields = ((k, getattr(self, k)) for k in _FIELDS)
-        return orjson.dumps({k: v for k, v in fields if v is not None}) + b"\n"
+        values = ((k, getattr(self, a)) for k, a in _KEYED)
+        return orjson.dumps({k: v for k, v in values if v is not None}) + b"\n"
 
 
-_FIELDS: tuple[str, ...] = LedgerEntry.__slots__
+# The ledger's keys, attribute by attribute: what every ledger ever written holds.
+KEYS: tuple[str, ...] = ("id", "fp", "status", "cat", "part", "shard", "off", "len", "otok",
+                         "finish", "trunc", "reason", "attempts", "t", "flags", "cfg")
+_KEYED: tuple[tuple[str, str], ...] = tuple(zip(KEYS, LedgerEntry.__slots__, strict=True))
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import orjson
 
 from draftgen.errors import StoreError
 from draftgen.store.ledger import LedgerEntry, load_ledger
-from draftgen.store.run_store import LEDGER, LOCK, MANIFEST, PLAN
+from draftgen.store.run_store import LEDGER, LOCK, MANIFEST, PLAN, REJECTED
 
 
 def is_running(out_dir: Path) -> bool:
@@ -106,6 +106,18 @@ def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Ledg
     return plan, entries
 
 
+def count_rejected(out_dir: Path) -> int:
+    """The entries of rejected.jsonl (0 where there is none yet); a StoreError naming the
+    file where it cannot be read, as for every other file of a run directory."""
+    path = out_dir / REJECTED
+    try:
+        return sum(1 for line in path.read_bytes().splitlines() if line)
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise StoreError(f"{path}: cannot read: {e.strerror}") from None
+
+
 # How status, the card and --redo-config name records whose server was not verified.
 UNVERIFIED = "unverified"
 
@@ -116,11 +128,12 @@ def seeds_ignored_note(manifest: dict[str, Any]) -> str | None:
     seed = ((manifest.get("job") or {}).get("sampling") or {}).get("seed")
     if seed is None:
         return None
-    urls = sorted({str(s.get("url")) for r in manifest.get("runs") or []
-                   for s in r.get("servers") or []
-                   if isinstance(s, dict) and s.get("seeds_honoured") is False})
-    if not urls:
+    ignoring = [s for r in manifest.get("runs") or [] for s in r.get("servers") or []
+                if isinstance(s, dict) and s.get("seeds_honoured") is False]
+    if not ignoring:
         return None
-    return (f"per-sample seeds ignored by this engine ({', '.join(urls)}): SGLang honours a "
-            "request's seed only when launched with --enable-deterministic-inference "
+    urls = sorted({str(s.get("url")) for s in ignoring})
+    engines = " and ".join(sorted({str(s.get("engine")) for s in ignoring}))
+    return (f"per-sample seeds ignored by this engine ({', '.join(urls)}): {engines} honours "
+            "a request's seed only when launched with --enable-deterministic-inference "
             "(profile: deterministic_inference: true)")

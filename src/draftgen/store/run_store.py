@@ -50,21 +50,22 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
     if d is None:
         assert isinstance(record, Record)
         return LedgerEntry(
-            id=record.id, fp=record.fingerprint, status="done", cat=record.category,
-            part=record.partition, shard=spot[0], off=spot[1], len=spot[2],
-            otok=record.output_tokens, finish=record.finish_reason, trunc=record.truncated,
-            attempts=record.attempts, t=record.finished_at,
-            flags=list(check_turns(record.turns)) or None, cfg=record.server_config,
+            id=record.id, fingerprint=record.fingerprint, status="done",
+            category=record.category, partition=record.partition,
+            shard=spot[0], offset=spot[1], length=spot[2],
+            output_tokens=record.output_tokens, finish=record.finish_reason,
+            truncated=record.truncated, attempts=record.attempts, time=record.finished_at,
+            flags=list(check_turns(record.turns)) or None, configuration=record.server_config,
         )
     turns = d.get("turns") or []
     return LedgerEntry(
-        id=d["id"], fp=d["fingerprint"], status="done", cat=d["category"], part=d["partition"],
-        shard=spot[0], off=spot[1], len=spot[2],
-        otok=sum(int(t.get("completion_tokens") or 0) for t in turns),
+        id=d["id"], fingerprint=d["fingerprint"], status="done", category=d["category"],
+        partition=d["partition"], shard=spot[0], offset=spot[1], length=spot[2],
+        output_tokens=sum(int(t.get("completion_tokens") or 0) for t in turns),
         finish=turns[-1].get("finish_reason") if turns else None,
-        trunc=any(t.get("finish_reason") == "length" for t in turns),
-        attempts=int(d.get("attempts") or 0), t=float(d.get("finished_at") or 0.0),
-        flags=list(check_turns(turns)) or None, cfg=d.get("server_config"),
+        truncated=any(t.get("finish_reason") == "length" for t in turns),
+        attempts=int(d.get("attempts") or 0), time=float(d.get("finished_at") or 0.0),
+        flags=list(check_turns(turns)) or None, configuration=d.get("server_config"),
     )
 
 
@@ -136,7 +137,7 @@ class RunStore:
         new one replaces it, so an interrupted regeneration loses nothing)."""
         changed = [
             s for s in samples
-            if (e := self.entries.get(s.id)) is not None and e.fp != s.fingerprint
+            if (e := self.entries.get(s.id)) is not None and e.fingerprint != s.fingerprint
             and s.id not in redo
         ]
         if changed and not redo_changed:
@@ -149,7 +150,7 @@ class RunStore:
         todo = []
         for s in samples:
             e = self.entries.get(s.id)
-            if (e is None or e.fp != s.fingerprint or s.id in regenerate
+            if (e is None or e.fingerprint != s.fingerprint or s.id in regenerate
                     or (retry_failed and e.status == "failed")):
                 todo.append(s)
         return todo
@@ -177,7 +178,7 @@ def _recover(out_dir: Path) -> tuple[dict[str, LedgerEntry], Repair]:
     covered: dict[str, int] = {}
     for e in entries.values():
         if e.shard is not None:
-            covered[e.shard] = max(covered.get(e.shard, 0), e.off + e.len)
+            covered[e.shard] = max(covered.get(e.shard, 0), e.offset + e.length)
     adopted: list[LedgerEntry] = []
     shard_torn = 0
     for path in shard_paths(out_dir):
@@ -190,7 +191,7 @@ def _recover(out_dir: Path) -> tuple[dict[str, LedgerEntry], Repair]:
             e = entry_for(rec, (name, off, length))
             known = entries.get(e.id)
             # A tail record the ledger already has (same shard spot) is not adopted twice.
-            if known is None or (known.shard, known.off) != (e.shard, e.off):
+            if known is None or (known.shard, known.offset) != (e.shard, e.offset):
                 adopted.append(e)
                 entries[e.id] = e
         if torn:

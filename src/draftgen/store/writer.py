@@ -27,8 +27,9 @@ _STOP = object()
 
 def failure_entry(f: Failure) -> LedgerEntry:
     return LedgerEntry(
-        id=f.id, fp=f.fingerprint, status="failed", cat=f.category, part=f.partition,
-        reason=f"{f.reason}: {f.message}"[:500], attempts=f.attempts, t=f.finished_at,
+        id=f.id, fingerprint=f.fingerprint, status="failed", category=f.category,
+        partition=f.partition,
+        reason=f"{f.reason}: {f.message}"[:500], attempts=f.attempts, time=f.finished_at,
     )
 
 

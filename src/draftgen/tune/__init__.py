@@ -7,7 +7,7 @@
     referee.py     the A/B probe against the reference's recorded answers
     predict.py     the job's predicted duration on a trial's server (the capacity model)
     search.py      successive halving within a budget, resumable
-    store.py       the tune directory: tune.json, tune.jsonl (one trial per line)
+    directory.py   the tune directory: tune.json, tune.jsonl (one trial per line)
     result.py      the table, the best profile written, speed against drift (PNG)
     tuner.py       `tune()`: all of it, for the CLI
 """

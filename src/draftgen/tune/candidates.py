@@ -7,23 +7,30 @@ HiCache) so a budget that runs out has measured the likely winners:
 
     lever                 default values (r: the reference's setting)
     mem_fraction          r + 0.02, r + 0.04 (at most 0.95; GPU engines)
-    cpu_kv_gib            2 × r, where the host has the RAM (vLLM's CPU build)
+    cpu_kv_gib            2 × r, where the host has the RAM (an engine's CPU build)
     max_running_requests  the job's concurrency when r is below it, else 2 × r
     speculative           on, where the profile's tune section names a draft
-    dp_attention          on, for an MLA model on SGLang with tp >= 2 (where the release has it)
-    chunked_prefill       2 × r (r unset: SGLang 8192, vLLM 8192 on GPUs, 2048 on CPU)
+    dcp                   tp, for an MLA model with tp >= 2 (engines and releases that have
+                          it); replaces DP attention where the reference has it on
+    speculative_adaptive  on, with a draft, where the release has it (measured at the job's
+                          own concurrency, like every candidate)
+    dp_attention          on, for an MLA model with tp >= 2 (engines and releases that have it)
+    chunked_prefill       2 × r (r unset: 8192 on GPUs, 2048 on a CPU build)
     hicache_gb_per_rank   off when on; else the largest size up to 64 GB the host RAM allows
-    kv_cache_dtype        fp8 — only where the profile's quality override allows a lossy cache
+    kv_cache_dtype        the engine's fp8 — only where the profile's quality override allows
+                          a lossy cache
 
 Prefix caching and the compute dtype are tried when the profile's `tune:` section lists
 them; a lever listed there replaces its default values, `[]` drops it, and
 `tune.candidates` replaces the grid. After the first round, `combined` takes the best value
 of every lever that beat the reference and tries them together.
 
-A default candidate whose lever cannot pay, by what the reference's own window showed, is
-skipped (`not_binding`): more KV memory when the reference's cache peaked below
-KV_BINDS with no preemption, a higher running limit when the reference never ran as many
-as its own. Values the profile's `tune:` section asks for are always measured.
+A candidate that cannot pay is skipped (`not_binding`): any that changes nothing the
+reference does not already run with, and a default one whose lever did not bind — more KV
+memory when the reference's cache peaked below KV_BINDS with no preemption and the capacity
+model's projection of the whole job stays below it too, a higher running limit when the
+reference never ran as many as its own. Values the profile's `tune:` section asks for are
+measured unless they change nothing.
 """
 
 from __future__ import annotations
@@ -35,12 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from draftgen.servers.install import EngineInstall
+from draftgen.errors import JobError
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.preflight import GB, HICACHE_RESERVE_BYTES, gpu_ranks
 from draftgen.servers.profile import ServerProfile
-from draftgen.servers.tuning import Levers, TuneSpace
-from draftgen.tune.levers import CHUNK_FLAG, CPU_KV_ENV, flag_value, speculative_on
-from draftgen.tune.store import Trial
+from draftgen.servers.tune_section import Levers, TuneSpace
+from draftgen.tune.directory import Trial
+from draftgen.tune.levers import apply_levers, flag_value, prefix_cache_on, speculative_on
+from draftgen.tune.predict import KvDemand
 
 REFERENCE = "reference"
 COMBINED = "combined"
@@ -49,10 +59,10 @@ HICACHE_DEFAULT_GB = 64
 _GIB = 1024**3
 # Lever order of the grid: the ones that usually pay first.
 LEVER_ORDER = (
-    "mem_fraction", "cpu_kv_gib", "max_running_requests", "speculative", "dp_attention",
-    "chunked_prefill", "hicache_gb_per_rank", "prefix_cache", "model_dtype", "kv_cache_dtype",
+    "mem_fraction", "cpu_kv_gib", "dcp", "max_running_requests", "speculative",
+    "speculative_adaptive", "dp_attention", "chunked_prefill", "hicache_gb_per_rank",
+    "prefix_cache", "model_dtype", "kv_cache_dtype",
 )  # fmt: skip
-_LOSSY_DEFAULT = {"sglang": "fp8_e4m3", "vllm": "fp8"}
 # KV usage under which a cache that saw no preemption did not bind (a request waits for
 # blocks well before usage reads 100%).
 KV_BINDS = 0.80
@@ -101,8 +111,10 @@ class HostFacts:
 
 
 def is_mla_model(model_path: str) -> bool | None:
-    """From the checkpoint's config.json (`kv_lora_rank`), where the folder is readable."""
-    path = Path(model_path) / "config.json"
+    """From the checkpoint's config.json (`kv_lora_rank`), where the folder (or the file
+    itself) is readable."""
+    given = Path(model_path)
+    path = given if given.suffix == ".json" else given / "config.json"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -114,21 +126,30 @@ def is_mla_model(model_path: str) -> bool | None:
     return "kv_lora_rank" in config or "kv_lora_rank" in inner
 
 
+def config_path(profile: ServerProfile) -> str:
+    """Where the model's config.json is read: the profile's memory.model_config, else the
+    checkpoint's folder."""
+    memory = profile.memory
+    return memory.model_config_path if memory and memory.model_config_path \
+        else profile.model_path
+
+
 def is_cpu_build(profile: ServerProfile) -> bool:
-    return profile.engine == "vllm" and CPU_KV_ENV in profile.env
+    env = engine_for(profile.engine).cpu_kv_env
+    return env is not None and env in profile.env
 
 
 def default_values(profile: ServerProfile, job_concurrency: int,
                    host: HostFacts) -> dict[str, list[Any]]:
     """The default grid's values per lever (see the module docstring)."""
-    engine = profile.engine
+    engine = engine_for(profile.engine)
     values: dict[str, list[Any]] = {}
     if not is_cpu_build(profile):
-        base = profile.mem_fraction or (0.86 if engine == "sglang" else 0.9)
+        base = profile.mem_fraction or engine.default_mem_fraction
         values["mem_fraction"] = [v for v in (round(base + 0.02, 2), round(base + 0.04, 2))
                                   if base < v <= MAX_MEM_FRACTION]
     else:
-        gib = _int(profile.env.get(CPU_KV_ENV)) or 4
+        gib = _int(profile.env.get(engine.cpu_kv_env or "")) or 4
         room = host.available_bytes
         values["cpu_kv_gib"] = [2 * gib] if room is None or 2 * gib * _GIB < room // 2 else []
     limit = profile.max_running_requests
@@ -137,16 +158,26 @@ def default_values(profile: ServerProfile, job_concurrency: int,
                                           else 2 * limit]
     spec = profile.tune.speculative if profile.tune else None
     values["speculative"] = [True] if spec is not None and not speculative_on(profile) else []
-    if engine == "sglang" and not profile.dp_attention and profile.tp >= 2 and host.mla:
-        known = host.install.flags if host.install is not None else None
-        has = known is None or bool({"--attn-dp-size", "--enable-dp-attention"} & known)
+    known = host.install.flags if host.install is not None else None
+    if "dp_attention" in engine.features and not profile.dp_attention and profile.tp >= 2 \
+            and host.mla:
+        has = known is None or bool(engine.dp_attention_flags & known)
         values["dp_attention"] = [True] if has else []
-    chunk = _int(flag_value(profile.extra_args, CHUNK_FLAG[engine]))
+    if "dcp" in engine.features and profile.dcp == 1 and profile.tp >= 2 and host.mla:
+        # The whole TP group: an MLA latent is one head that plain TP copies onto every GPU.
+        has = known is None or bool(engine.dcp_flags & known)
+        values["dcp"] = [profile.tp] if has else []
+    flag = engine.speculative_adaptive_flag
+    if flag is not None and (spec is not None or speculative_on(profile)) \
+            and flag not in profile.extra_args \
+            and engine.speculative_adaptive_problem(profile) is None:
+        values["speculative_adaptive"] = [True] if known is not None and flag in known else []
+    chunk = _int(flag_value(profile.extra_args, engine.chunk_flag))
     values["chunked_prefill"] = [2 * (chunk or (2048 if is_cpu_build(profile) else 8192))]
-    if engine == "sglang":
+    if "hierarchical_cache" in engine.features:
         values["hicache_gb_per_rank"] = _hicache_values(profile, host.available_bytes)
     if profile.quality.allow_lossy_kv_cache:
-        values["kv_cache_dtype"] = [_LOSSY_DEFAULT[engine]]
+        values["kv_cache_dtype"] = [engine.lossy_kv_default]
     return values
 
 
@@ -168,14 +199,18 @@ def _int(text: str | None) -> int | None:
 
 def _current(profile: ServerProfile, lever: str) -> Any:
     """The reference's own value of a lever, where it is a plain field."""
+    engine = engine_for(profile.engine)
     return {
         "mem_fraction": profile.mem_fraction,
         "max_running_requests": profile.max_running_requests,
         "kv_cache_dtype": profile.kv_cache_dtype,
         "model_dtype": profile.model_dtype,
+        "model_path": profile.model_path,
         "dp_attention": profile.dp_attention,
-        "cpu_kv_gib": _int(profile.env.get(CPU_KV_ENV)),
-        "chunked_prefill": _int(flag_value(profile.extra_args, CHUNK_FLAG[profile.engine])),
+        "dcp": profile.dcp,
+        "speculative_adaptive": (engine.speculative_adaptive_flag or "") in profile.extra_args,
+        "cpu_kv_gib": _int(profile.env.get(engine.cpu_kv_env or "")),
+        "chunked_prefill": _int(flag_value(profile.extra_args, engine.chunk_flag)),
         "hicache_gb_per_rank": (profile.hierarchical_cache.host_gb_per_rank
                                 if profile.hierarchical_cache.enabled else 0),
         "speculative": speculative_on(profile),
@@ -232,12 +267,47 @@ def combine(candidates: Sequence[Candidate], better: Callable[[Candidate], float
     return candidate_for(merged, COMBINED)
 
 
-def not_binding(reference: ServerProfile) -> Callable[[Candidate, Trial], str | None]:
-    """Why a default candidate cannot pay, from the reference's first trial (see above)."""
+def not_binding(reference: ServerProfile,
+                demand: Callable[[Trial], KvDemand | None] | None = None,
+                ) -> Callable[[Candidate, Trial], str | None]:
+    """Why a candidate cannot pay, from the reference's first trial; None: measure it.
+
+    Any candidate (listed and combined ones too) that changes nothing the reference does
+    not already run with: each lever at the reference's effective value — the same
+    command line and environment, the prefix cache or speculative decoding already as
+    asked, the running limit its server reported. It could only win on noise.
+
+    A default candidate whose lever did not bind (values the `tune:` section lists are
+    measured): more KV memory where the reference's window saw its cache peak below
+    KV_BINDS with no preemption *and* `demand(ref)`, the capacity model's projection of
+    the whole job on the reference, stays below KV_BINDS of its KV tokens with no
+    preemption in the simulation — a window is too short to see long answers fill a cache,
+    so without a projection more KV is always measured; a higher running limit where the
+    reference never ran as many as its own.
+    """
     space = reference.tune or TuneSpace()
+    engine = engine_for(reference.engine)
+    launched = (engine.argv(reference, port=0), dict(reference.env))
+
+    def unchanged(lever: str, value: Any, ref: Trial) -> bool:
+        if lever == "max_running_requests":
+            own = reference.max_running_requests or ref.max_running
+            return own is not None and value == own
+        try:
+            applied = apply_levers(reference, Levers.model_validate({lever: value}))
+        except (JobError, ValueError):
+            return False  # not ours to refuse: the measurement says why
+        if lever == "prefix_cache":
+            return prefix_cache_on(applied) == prefix_cache_on(reference)
+        if lever == "speculative":
+            return speculative_on(applied) == speculative_on(reference)
+        return (engine.argv(applied, port=0), dict(applied.env)) == launched
 
     def why(cand: Candidate, ref: Trial) -> str | None:
         changes = cand.levers.changes()
+        if changes and all(unchanged(k, v, ref) for k, v in changes.items()):
+            return (f"not tried: it changes nothing ({cand.label} is what the reference "
+                    "already runs with)")
         if cand.origin != "grid" or len(changes) != 1 or ref.load is None:
             return None
         (lever, value), = changes.items()
@@ -246,8 +316,15 @@ def not_binding(reference: ServerProfile) -> Callable[[Candidate, Trial], str | 
         kv, preempted = ref.load.get("kv_peak"), ref.load.get("preempted")
         if lever in _KV_SIZE and (lever != "hicache_gb_per_rank" or value) \
                 and kv is not None and kv < KV_BINDS and not preempted:
+            job = demand(ref) if demand is not None else None
+            if job is None or not ref.kv_tokens or job.preemptions \
+                    or job.tokens >= KV_BINDS * ref.kv_tokens:
+                return None  # the whole job may fill what a short window left empty
             return (f"not tried: the reference's KV cache peaked at {kv:.0%} with no "
-                    "preemption, so more KV cannot pay")
+                    f"preemption, and the job's projected demand ({job.running:.0f} running "
+                    f"× {job.footprint:,.0f} tokens = {job.tokens:,.0f}) is "
+                    f"{job.tokens / ref.kv_tokens:.0%} of its {ref.kv_tokens:,} KV tokens, "
+                    "so more KV cannot pay")
         running, limit = ref.load.get("running_peak"), reference.max_running_requests
         if lever == "max_running_requests" and limit is not None and isinstance(value, int) \
                 and value > limit and running is not None and running < limit:

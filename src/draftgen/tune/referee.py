@@ -3,26 +3,39 @@
 `draftgen probe` asks two live servers. A tune starts one server at a time (two engines on
 one machine share its memory and cores, and the reference would have to stay up through
 every candidate), so the reference's side is recorded after its launch — each prompt's
-token ids as its chat template renders them, its greedy continuation, and its teacher-forced
-top-k at every position of it — and written to the tune directory. Each candidate is then
-scored on those same ids and continues them greedily, and `probe.drift` compares and judges
-exactly as `draftgen probe` does. Every candidate meets the same reference answers.
+token ids as its chat template renders them, its greedy continuation, its teacher-forced
+top-k at every position of it, its own decode-step top-k, and its scores read through the
+prefix cache — and written to the tune directory. Each candidate is then scored on those same
+ids (fresh and through its cache), continues them greedily and decodes them with its top-k;
+`probe.drift` judges the prefill path as `draftgen probe` does, and `probe.gate` the decode
+path (where the candidate's tokens still follow the reference's, its decode step against the
+reference's score of that same context) and the cache-read path, each against the
+reference's own noise. Every candidate meets the same reference answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 
+from draftgen.client.http import open_session
 from draftgen.probe.drift import ProbeResult, ProbeThresholds, compare_prompt, summarise
-from draftgen.probe.servers import Http, Position, ProbeError, connect
+from draftgen.probe.gate import (
+    GateSettings,
+    PromptPaths,
+    against_recording,
+    cached_scores,
+    compare_paths,
+    judge,
+)
 from draftgen.sample import Message
+from draftgen.servers.engines.registry import scoring_server as connect
+from draftgen.servers.engines.scoring import Http, Position, ProbeError
 from draftgen.store.atomic import write_atomic
 
 _TIMEOUT_S = 600.0
@@ -38,14 +51,18 @@ class RecordedReference:
     prompts: tuple[tuple[int, ...], ...]
     outputs: tuple[tuple[int, ...], ...]
     positions: tuple[tuple[Position, ...], ...]
+    # Its decode step's own top-k, and its scores through the prefix cache (empty in a
+    # recording made before the gate: then only the prefill path is judged).
+    decodes: tuple[tuple[Position, ...], ...] = ()
+    cached: tuple[tuple[Position, ...], ...] = ()
 
     def to_json(self) -> bytes:
         return orjson.dumps({
             "url": self.url, "engine": self.engine, "model": self.model,
             "max_tokens": self.max_tokens, "top_k": self.top_k,
             "prompts": self.prompts, "outputs": self.outputs,
-            "positions": [[[p.token, p.logprob, p.top1, {str(k): v for k, v in p.top.items()}]
-                           for p in row] for row in self.positions],
+            "positions": _rows(self.positions), "decodes": _rows(self.decodes),
+            "cached": _rows(self.cached),
         })
 
     @classmethod
@@ -55,12 +72,22 @@ class RecordedReference:
             url=d["url"], engine=d["engine"], model=d["model"], max_tokens=d["max_tokens"],
             top_k=d["top_k"], prompts=tuple(tuple(p) for p in d["prompts"]),
             outputs=tuple(tuple(o) for o in d["outputs"]),
-            positions=tuple(tuple(Position(int(t), float(lp), int(t1),
-                                           {int(k): float(v) for k, v in top.items()})
-                                  for t, lp, t1, top in row) for row in d["positions"]))
+            positions=_read_rows(d["positions"]), decodes=_read_rows(d.get("decodes") or []),
+            cached=_read_rows(d.get("cached") or []))
 
     def save(self, path: Path) -> None:
         write_atomic(path, self.to_json())
+
+
+def _rows(rows: tuple[tuple[Position, ...], ...]) -> list[list[list[Any]]]:
+    return [[[p.token, p.logprob, p.top1, {str(k): v for k, v in p.top.items()}] for p in row]
+            for row in rows]
+
+
+def _read_rows(rows: list[Any]) -> tuple[tuple[Position, ...], ...]:
+    return tuple(tuple(Position(int(t), float(lp), int(t1),
+                                {int(k): float(v) for k, v in top.items()})
+                       for t, lp, t1, top in row) for row in rows)
 
 
 def load_reference(path: Path) -> RecordedReference | None:
@@ -99,39 +126,68 @@ async def record_reference(url: str, prompts: Sequence[Sequence[Message]], *, mo
     ids: list[list[int]] = [[] for _ in range(n)]
     outs: list[list[int]] = [[] for _ in range(n)]
     scored: list[list[Position]] = [[] for _ in range(n)]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S)) as s:
+    decoded: list[list[Position]] = [[] for _ in range(n)]
+    cached: list[list[Position]] = [[] for _ in range(n)]
+    async with open_session(timeout_s=_TIMEOUT_S) as s:
         server = await connect(Http(s, api_key), url, model)
 
         async def one(i: int) -> None:
             ids[i] = await server.render(prompts[i])
-            outs[i] = await server.greedy(ids[i], max_tokens)
+            decoded[i] = await server.decode(ids[i], max_tokens, top_k)
+            outs[i] = [p.token for p in decoded[i]]
             scored[i] = await server.score(ids[i], outs[i], top_k)
+            cached[i] = await cached_scores(server, ids[i], outs[i], top_k)
 
         await _each(n, one, concurrency)
     return RecordedReference(url, server.kind, server.model, max_tokens, top_k,
                              tuple(map(tuple, ids)), tuple(map(tuple, outs)),
-                             tuple(map(tuple, scored)))
+                             tuple(map(tuple, scored)), tuple(map(tuple, decoded)),
+                             tuple(map(tuple, cached)))
 
 
 async def probe_against(reference: RecordedReference, url: str, *,
                         thresholds: ProbeThresholds, api_key: str | None = None,
-                        concurrency: int = 8) -> ProbeResult:
-    """Score and continue the reference's prompts on `url`, and judge the drift."""
+                        concurrency: int = 8, gate: GateSettings | None = None
+                        ) -> ProbeResult:
+    """Score and continue the reference's prompts on `url`, and judge the drift: the
+    prefill path always, the decode and cache-read paths where `gate` is given and the
+    recording has them."""
     n = len(reference.prompts)
     results: list[Any] = [None] * n
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_TIMEOUT_S)) as s:
+    paths: list[PromptPaths | None] = [None] * n
+    judged = gate is not None and len(reference.decodes) == n
+    async with open_session(timeout_s=_TIMEOUT_S) as s:
         server = await connect(Http(s, api_key), url, reference.model)
 
         async def one(i: int) -> None:
             prompt, ref_out = list(reference.prompts[i]), list(reference.outputs[i])
             positions = await server.score(prompt, ref_out, reference.top_k)
-            greedy = await server.greedy(prompt, reference.max_tokens)
+            if not judged:
+                greedy = await server.greedy(prompt, reference.max_tokens)
+            else:
+                decoded = await server.decode(prompt, reference.max_tokens, reference.top_k)
+                greedy = [p.token for p in decoded]
+                values = {"decode": against_recording(reference.positions[i],
+                                                      reference.decodes[i], decoded)}
+                if gate is not None and gate.cache_read and len(reference.cached) == n \
+                        and len(ref_out) >= 4:
+                    mine = await cached_scores(server, prompt, ref_out, reference.top_k)
+                    half = len(ref_out) // 2
+                    theirs = reference.cached[i]
+                    values["cache read"] = compare_paths(
+                        theirs[half:], mine[half:], reference.positions[i][half:],
+                        theirs[half:])
+                paths[i] = PromptPaths(values, True)
             results[i] = compare_prompt(i, len(prompt), ref_out, greedy,
                                         list(reference.positions[i]), positions)
 
         await _each(n, one, concurrency)
-    return summarise(reference.url, url, (reference.engine, server.kind), reference.model,
-                     reference.max_tokens, reference.top_k, thresholds, tuple(results))
+    result = summarise(reference.url, url, (reference.engine, server.kind), reference.model,
+                       reference.max_tokens, reference.top_k, thresholds, tuple(results))
+    if not judged or gate is None:
+        return result
+    return replace(result, gate=judge([p for p in paths if p is not None], gate,
+                                      reference.max_tokens))
 
 
 def probe_summary(result: ProbeResult) -> dict[str, Any]:

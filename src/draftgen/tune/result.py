@@ -1,11 +1,16 @@
 """What a tune found: a row per candidate, the best profile written, speed against drift.
 
-Each row shows a candidate at the longest measurement it got: what the server reported
-(KV tokens, headroom), what the job's requests got (tok/s), the job's predicted duration
-and its ratio to the reference measured alongside, the probe (KL, top-1, verdict) and, for
-a candidate that is out, why. The best configuration is written as a profile `run` can
-launch (`servers: [{launch: best.yaml}]`); where no candidate beat the reference, that is
-the reference's own settings, and the table says so.
+Each row shows a candidate at the rung it is judged by (`search.standing`): what the server
+reported (KV tokens, headroom), what the job's requests got (tok/s), the job's predicted
+duration and its ratio to the reference measured alongside, the probe (KL, top-1, verdict)
+and, for a candidate that is out, why — one whose longest measurement failed shows that
+failure, with no ratio, whatever its shorter numbers were. A prediction that runs against
+the row's own window (faster measured, predicted longer) is explained in `why` (the term of
+the capacity model that turned it). The best configuration is written as a profile `run`
+can launch (`servers: [{launch: best.yaml}]`); where no candidate beat the reference, that
+is the reference's own settings, and the table says so. The profile's secrets (its
+`--api-key`, its env entries named like a key or a token) are not written: they are
+REDACTED, and the file's comment says where to put them back.
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ import yaml
 from draftgen.clock import format_duration
 from draftgen.probe.drift import ProbeThresholds
 from draftgen.reporting.plots import pyplot
+from draftgen.servers.keys import API_KEY_FLAG, launch_secrets
 from draftgen.servers.profile import ServerProfile
 from draftgen.store.atomic import write_atomic
 from draftgen.tune.candidates import REFERENCE, Candidate
-from draftgen.tune.store import Trial
+from draftgen.tune.directory import Trial
+from draftgen.tune.search import standing
+
+# What stands in best.yaml for a secret of the reference profile.
+SECRET_PLACEHOLDER = "REDACTED"
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,9 @@ class Row:
     probe_top1: float | None = None
     verdict: str = ""
     note: str = ""
+    # Why its prediction runs against its window (faster measured, predicted longer), where
+    # it does: the term of the capacity model that turned it.
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -67,8 +80,10 @@ class TuneResult:
 
 
 def build_rows(candidates: Sequence[Candidate], trials: Sequence[Trial],
-               value: Callable[[Trial], float | None]) -> list[Row]:
-    """One row per candidate; `value(trial)` is its predicted job duration."""
+               value: Callable[[Trial], float | None],
+               explain: Callable[[Trial, Trial], str | None] | None = None) -> list[Row]:
+    """One row per candidate; `value(trial)` is its predicted job duration, `explain(trial,
+    reference's trial)` why that prediction runs against the window, where it does."""
     by = {(t.candidate, t.rung): t for t in trials}
     rows = []
     for c in candidates:
@@ -77,20 +92,36 @@ def build_rows(candidates: Sequence[Candidate], trials: Sequence[Trial],
             rows.append(Row(c.id, c.label, c.origin, "not measured",
                             note="not measured: the budget ran out"))
             continue
-        first, last = mine[0], mine[-1]
-        predicted = value(last)
-        ref = by.get((REFERENCE, last.rung))
-        ref_value = value(ref) if ref is not None else None
-        ratio = predicted / ref_value if predicted and ref_value else None
+        first, (last, rung) = mine[0], standing(by, c.id)
         probe = first.probe or {}
         verdict = ("reference" if c.id == REFERENCE else
                    "pass" if probe.get("passed") else "FAIL" if probe else
                    "skipped" if last.status == "skipped" else "-")
+        if rung is not None:  # judged at `rung`, beside the reference measured there
+            shown, status = by[(c.id, rung)], "measured"
+            note = ("" if last is shown else
+                    f"rung {last.rung}: {last.status}: {last.reason}" if not last.usable else
+                    f"rung {last.rung}: not compared (the reference failed there)")
+        else:  # out by its longest measurement (or never paired)
+            shown, status = last, last.status
+            note = last.reason if last.rung == 0 else f"rung {last.rung}: {last.reason}"
+        ref = by.get((REFERENCE, shown.rung))
+        # A candidate out by its longest measurement has no prediction; a rejected one
+        # shows what the loss would have bought.
+        predicted = value(shown) if rung is not None or shown.status == "rejected" else None
+        ref_value = value(ref) if ref is not None and ref.usable else None
+        ratio = predicted / ref_value if predicted and ref_value else None
+        why = ""
+        if explain is not None and ratio is not None and c.id != REFERENCE \
+                and ref is not None:
+            why = explain(shown, ref) or ""
+        if why:
+            note = "; ".join(filter(None, [note, "predicted against its window: see the "
+                                           "notes"]))
         rows.append(Row(
-            c.id, c.label, c.origin, last.status, last.rung, first.kv_tokens,
-            first.headroom_gib, last.tok_s, first.tok_s, predicted, ratio,
-            probe.get("mean_kl"), probe.get("top1_agreement"), verdict,
-            first.reason if first.status != "measured" else last.reason))
+            c.id, c.label, c.origin, status, shown.rung, first.kv_tokens,
+            first.headroom_gib, shown.tok_s, first.tok_s, predicted, ratio,
+            probe.get("mean_kl"), probe.get("top1_agreement"), verdict, note, why))
     return rows
 
 
@@ -119,7 +150,8 @@ def format_table(result: TuneResult) -> str:
     ref = result.reference
     if not result.ok:
         out.append(f"no result: the reference could not be measured ({ref.note})")
-    elif result.best is not None and result.saving_s is not None:
+    elif result.best is not None and result.saving_s is not None \
+            and result.best.ratio is not None:
         b = result.best
         out.append(f"best: {b.label} — the job predicted in {format_duration(b.predicted_s)} "
                    f"against {format_duration((b.predicted_s or 0) + result.saving_s)} "
@@ -129,7 +161,8 @@ def format_table(result: TuneResult) -> str:
         out.append(f"best: the reference ({ref.label}) — no passing candidate beat it by "
                    "more than the measurement noise")
     out.append("tok/s and job (pred.): at the candidate's last rung, the longest measurement "
-               "it got; vs ref: against the reference measured at that same rung")
+               "it got (a candidate whose longest measurement failed is out); vs ref: against "
+               "the reference measured at that same rung")
     if result.best_profile is not None:
         out.append(f"profile written: {result.best_profile}")
     if result.plot is not None:
@@ -146,7 +179,14 @@ def format_table(result: TuneResult) -> str:
 
 
 def profile_yaml(profile: ServerProfile, comment: Sequence[str]) -> str:
-    """A profile file `load_profile` reads back to the same settings (absolute paths)."""
+    """A profile file `load_profile` reads back to the same settings (absolute paths), with
+    its secrets (`launch_secrets`) REDACTED and a comment naming where they were."""
+    clean, places = _without_secrets(profile)
+    if places:
+        comment = [*comment, f"Secrets of the reference profile are not copied: "
+                   f"{SECRET_PLACEHOLDER} stands for the value of {', '.join(places)}; "
+                   "put them back before launching."]
+        profile = clean
     data: dict[str, Any] = profile.model_dump(mode="json", exclude_defaults=True,
                                               exclude={"tune"})
     data["engine"] = profile.engine
@@ -155,6 +195,28 @@ def profile_yaml(profile: ServerProfile, comment: Sequence[str]) -> str:
     data = {k: data[k] for k in order if k in data}
     body = yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=100)
     return "".join(f"# {line}\n" for line in comment) + body
+
+
+def _without_secrets(profile: ServerProfile) -> tuple[ServerProfile, list[str]]:
+    """The profile with each secret of `launch_secrets` REDACTED, and where they were."""
+    secrets = set(launch_secrets(profile))
+    args, places = list(profile.extra_args), []
+    for i, arg in enumerate(args):
+        if arg == API_KEY_FLAG and i + 1 < len(args):
+            args[i + 1] = SECRET_PLACEHOLDER
+        elif arg.startswith(API_KEY_FLAG + "="):
+            args[i] = f"{API_KEY_FLAG}={SECRET_PLACEHOLDER}"
+        else:
+            continue
+        places.append(f"extra_args {API_KEY_FLAG}")
+    env = dict(profile.env)
+    for name, value in env.items():
+        if value in secrets:
+            env[name] = SECRET_PLACEHOLDER
+            places.append(f"env {name}")
+    clean = profile.model_copy(update={"extra_args": args, "env": env})
+    clean._source_file = profile.source_file
+    return clean, list(dict.fromkeys(places))
 
 
 def write_profile(path: Path, profile: ServerProfile, comment: Sequence[str]) -> Path:

@@ -4,11 +4,17 @@ for this job, within a time budget.
     the reference profile + the job's plan → the grid (candidates.py)
     → successive halving (search.py), each trial launched, verified, probed against the
       reference and measured with the job's own requests (measure.py), its job duration
-      predicted by the capacity model (predict.py), recorded in the tune directory (store.py)
+      predicted by the capacity model (predict.py), recorded in the tune directory (directory.py)
     → the table, the best profile written, speed against drift (result.py)
 
 The reference is the profile as given: every candidate is compared with it, measured the
 same way and close in time, and must generate what it generates (the A/B probe).
+
+The tune directory is keyed (`tune_key`) by everything a trial depends on: the reference
+profile's settings (`profile_hash`), its `tune:` section (the draft model of speculative
+decoding included, which `profile_hash` leaves out), the engine release its interpreter
+has, the job's requests and the measurement's options. Any of them changed, the directory
+is refused rather than its trials reused for what they did not measure.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from draftgen.clock import REAL_CLOCK, Clock, format_duration
 from draftgen.errors import JobError
@@ -26,9 +33,11 @@ from draftgen.job import JobSpec, read_api_key
 from draftgen.planning.measured import measure_from_run
 from draftgen.planning.plan import build_plan
 from draftgen.probe.drift import ProbeThresholds
+from draftgen.probe.gate import GateSettings
 from draftgen.reporting.plots import PlotError
 from draftgen.sample import Sample, base_body
-from draftgen.servers.install import detect_install
+from draftgen.servers.engines.install import EngineInstall
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.policy import check_profile
 from draftgen.servers.preflight import read_available_memory
 from draftgen.servers.profile import ServerProfile, load_profile, profile_hash
@@ -36,9 +45,11 @@ from draftgen.tune.candidates import (
     REFERENCE,
     HostFacts,
     build_grid,
+    config_path,
     is_mla_model,
     not_binding,
 )
+from draftgen.tune.directory import Trial, TuneDir
 from draftgen.tune.levers import apply_levers
 from draftgen.tune.measure import Measurer, MeasureSettings
 from draftgen.tune.predict import JobModel
@@ -52,7 +63,6 @@ from draftgen.tune.result import (
     write_profile,
 )
 from draftgen.tune.search import SearchOptions, SearchOutcome, search
-from draftgen.tune.store import Trial, TuneDir
 from draftgen.tune.window import interleaved
 
 
@@ -68,9 +78,10 @@ class TuneOptions:
     eta: int = 2
     max_rungs: int = 3
     margin: float = 0.03
-    probe_n: int = 16
-    probe_max_tokens: int = 32
-    probe_top_k: int = 10
+    # The probe's size; None: the profile's `quality.probe` (16 prompts, 32 tokens, top-10).
+    probe_n: int | None = None
+    probe_max_tokens: int | None = None
+    probe_top_k: int | None = None
     thresholds: ProbeThresholds = field(default_factory=ProbeThresholds)
     launch_timeout_s: float = 1800.0
     # A finished or partial run of this job: its answer lengths feed the predictions.
@@ -83,6 +94,23 @@ class TuneOptions:
 def default_tune_dir(job: JobSpec, profile: ServerProfile) -> Path:
     out = job.resolve(job.output).resolve()
     return out.parent / f"{out.name}-tune-{profile.server_name}"
+
+
+def tune_key(reference: ServerProfile, install: EngineInstall, job: str,
+             opts: TuneOptions) -> dict[str, Any]:
+    """What the tune directory is for (see the module docstring): `tune.json`."""
+    section = (reference.tune.model_dump(mode="json", exclude_defaults=True)
+               if reference.tune is not None else None)
+    return {
+        "profile": profile_hash(reference),
+        "tune section": section,
+        "engine": f"{install.engine} {install.version or '(not found)'}",
+        "job": job,
+        "measurement": {"measure_s": opts.measure_s, "warmup_s": opts.warmup_s,
+                        "eta": opts.eta, "probe_n": opts.probe_n,
+                        "probe_max_tokens": opts.probe_max_tokens,
+                        "probe_top_k": opts.probe_top_k},
+    }
 
 
 def job_digest(job: JobSpec, samples: Sequence[Sample]) -> str:
@@ -101,27 +129,27 @@ async def tune(profile_path: Path, job: JobSpec, opts: TuneOptions) -> TuneResul
     """
     reference = load_profile(profile_path)
     check_profile(reference)
+    probe = reference.quality.probe
+    opts = replace(opts, probe_n=opts.probe_n or probe.prompts,
+                   probe_max_tokens=opts.probe_max_tokens or probe.max_tokens,
+                   probe_top_k=opts.probe_top_k or probe.top_k)
+    gate = GateSettings(confidence=probe.confidence, kl_margin=probe.kl_margin,
+                        top1_margin=probe.top1_margin, detect_kl=probe.detect_kl,
+                        cache_read=probe.cache_read)
     plan = build_plan(job)
     if not plan.samples:
         raise JobError(f"{job.source_file or 'job'}: the plan has no samples to measure with")
     samples = plan.samples
     concurrency = {name: p.concurrency for name, p in job.partitions.items()}
     store = TuneDir(opts.tune_dir or default_tune_dir(job, reference))
-    header = {
-        "profile_hash": profile_hash(reference),
-        "job": job_digest(job, samples),
-        "measurement": {"measure_s": opts.measure_s, "warmup_s": opts.warmup_s,
-                        "eta": opts.eta, "probe_n": opts.probe_n,
-                        "probe_max_tokens": opts.probe_max_tokens,
-                        "probe_top_k": opts.probe_top_k},
-    }
-    recorded = store.open(header)
+    install = await asyncio.to_thread(engine_for(reference.engine).installed,
+                                      reference.interpreter)
+    recorded = store.open(tune_key(reference, install, job_digest(job, samples), opts))
     if load_reference(store.reference_probe) is None:
         # Its probe answers are gone: the reference's first trial is run again to record them.
         recorded = [t for t in recorded if not (t.candidate == REFERENCE and t.rung == 0)]
-    install = await asyncio.to_thread(detect_install, reference.engine, reference.interpreter)
     host = HostFacts(available_bytes=read_available_memory(), install=install,
-                     mla=is_mla_model(reference.model_path))
+                     mla=is_mla_model(config_path(reference)))
     total = sum(concurrency.values())
     grid = build_grid(reference, total, host)
     ordered = interleaved(samples)
@@ -136,8 +164,9 @@ async def tune(profile_path: Path, job: JobSpec, opts: TuneOptions) -> TuneResul
         reference=reference, tune_dir=store, model=job.model, samples=ordered,
         base=base_body(job.model, job.sampling.model_dump()), concurrency=concurrency,
         probe_prompts=[list(s.messages) for s in ordered[:opts.probe_n]],
-        probe_max_tokens=opts.probe_max_tokens, probe_top_k=opts.probe_top_k,
-        thresholds=opts.thresholds, warmup_s=opts.warmup_s,
+        probe_max_tokens=opts.probe_max_tokens or probe.max_tokens,
+        probe_top_k=opts.probe_top_k or probe.top_k,
+        thresholds=opts.thresholds, gate=gate, warmup_s=opts.warmup_s,
         launch_timeout_s=opts.launch_timeout_s, api_key=read_api_key(job), clock=opts.clock,
         on_event=say))
     space = reference.tune
@@ -146,7 +175,7 @@ async def tune(profile_path: Path, job: JobSpec, opts: TuneOptions) -> TuneResul
         opts=SearchOptions(budget_s=opts.budget_s, base_s=opts.measure_s, eta=opts.eta,
                            max_rungs=opts.max_rungs, margin=opts.margin,
                            combine=space.combine if space is not None else True),
-        clock=opts.clock, skip=not_binding(reference))
+        clock=opts.clock, skip=not_binding(reference, model.kv_demand))
     return _result(profile_path, job, reference, store, outcome, model, opts)
 
 
@@ -157,7 +186,8 @@ def _result(profile_path: Path, job: JobSpec, reference: ServerProfile, store: T
     def value(t: Trial) -> float | None:
         return model.seconds(t, trials, rejected_too=True)
 
-    rows = build_rows(outcome.candidates, trials, value)
+    rows = build_rows(outcome.candidates, trials, value,
+                      lambda mine, ref: model.explain(mine, ref, trials))
     ref_row = rows[0]
     best_row = next((r for r in rows if outcome.best is not None
                      and r.candidate == outcome.best.id), None)
@@ -165,7 +195,8 @@ def _result(profile_path: Path, job: JobSpec, reference: ServerProfile, store: T
     if outcome.best_trial is not None and outcome.reference_trial is not None:
         mine, ref = value(outcome.best_trial), value(outcome.reference_trial)
         saving = ref - mine if mine is not None and ref is not None else None
-    notes: list[str] = []
+    notes: list[str] = list(outcome.notes)
+    notes += [f"{r.label}: {r.why}" for r in rows if r.why]
     if ref_row.status != "measured":
         notes.append(f"the reference could not be measured ({ref_row.note}): nothing to "
                      "compare with")

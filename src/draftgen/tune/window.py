@@ -5,12 +5,16 @@ are sent as the job would send them, each partition keeping its own `concurrency
 flight, round-robin over categories so a short window sees every kind of prompt. Only the
 per-sample seed is left out: it changes no speed, and vLLM's CPU build crashes on seeded
 requests that are preempted or prefilled in chunks. After `warmup_s`, the output tokens
-streamed during `seconds` give the window's tok/s; every request's decode interval (first
-token to its end, or to the window's end) gives decode speed against batch size for the
-capacity model (`planning.measured.speed_from_intervals`), and finished answers their
-lengths. Where `load` reads the server's load (`schedule.load.LoadPoller.poll`), the
-window also keeps what bound it: the peak KV usage, the most requests running and waiting,
-and the preemptions — whether a lever on KV memory or the running limit can pay.
+streamed during `seconds` give the window's tok/s; every request's decode interval within
+those seconds (from its first token or the warmup's end, whichever is later, to its end or
+the window's end, with the tokens it streamed in that time) gives decode speed against
+batch size for the capacity model (`planning.measured.speed_from_intervals`), finished
+answers their lengths, and the requests still running at the end (`unfinished`) how many
+answers outlasted the window. The warmup is left out of the speeds: its opening burst (one
+request decoding while the rest prefill) is no decode speed the job will see. Where `load` reads
+the server's load (`client.load.LoadPoller.poll`), the window also keeps what bound it:
+the peak KV usage, the most requests running and waiting, and the preemptions — whether a
+lever on KV memory or the running limit can pay.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from draftgen.errors import RequestError, RunError
 from draftgen.planning.measured import speed_from_intervals
 from draftgen.planning.workload import DecodeSpeed
 from draftgen.sample import Sample, request_body
-from draftgen.schedule.readings import ServerLoad
+from draftgen.servers.engines.load import ServerLoad
 
 LOAD_EVERY_S = 0.5
 
@@ -41,6 +45,9 @@ class Window:
     completed: int = 0
     failed: int = 0
     lengths: dict[str, list[int]] = field(default_factory=dict)  # "category/partition"
+    # Requests still running when the measured seconds ended: answers longer than the
+    # window, which its lengths do not hold ("category/partition").
+    unfinished: dict[str, int] = field(default_factory=dict)
     intervals: list[tuple[float, float, int]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     streamed: int = 0  # output tokens streamed so far, all requests
@@ -93,13 +100,17 @@ async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str,
     for s in interleaved(samples):
         by_part.setdefault(s.partition, []).append(s)
     t_start = clock.monotonic()
-    t_end = t_start + warmup_s + seconds
+    t_measured = t_start + warmup_s
+    t_end = t_measured + seconds
+    in_flight: dict[str, int] = {}
 
     async def worker(feed: Iterator[Sample], client: ChatClient) -> None:
         for sample in feed:
             body = request_body(sample, base, list(sample.messages))
             body.pop("seed", None)
-            stream = _Stream(window, clock)
+            stream = _Stream(window, clock, t_measured)
+            group = group_key(sample)
+            in_flight[group] = in_flight.get(group, 0) + 1
             try:
                 done = await client.chat(url, body, on_token=stream.on_token)
             except RunError:
@@ -110,11 +121,12 @@ async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str,
                     window.errors.append(str(e)[:200])
                 continue
             finally:
+                in_flight[group] -= 1
                 stream.close(min(clock.monotonic(), t_end))
             if clock.monotonic() <= t_end:
                 window.completed += 1
                 tokens = done.completion_tokens or stream.tokens
-                window.lengths.setdefault(group_key(sample), []).append(tokens)
+                window.lengths.setdefault(group, []).append(tokens)
 
     async with ChatClient(api_key=api_key, idle_timeout_s=max(60.0, 4 * seconds)) as client:
         tasks = []
@@ -133,6 +145,7 @@ async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str,
                 tasks.append(asyncio.create_task(_watch(window, load, clock)))
             await clock.sleep(seconds)
             window.tok_s = (window.streamed - before) / seconds if seconds > 0 else 0.0
+            window.unfinished = {g: n for g, n in in_flight.items() if n > 0}
             for t in tasks:
                 error = t.exception() if t.done() and not t.cancelled() else None
                 if error is not None:
@@ -148,21 +161,30 @@ async def measure_window(url: str, samples: Sequence[Sample], base: Mapping[str,
 class _Stream:
     """One request's tokens as they stream, and its decode interval once it ends."""
 
-    def __init__(self, window: Window, clock: Clock) -> None:
+    def __init__(self, window: Window, clock: Clock, measured_from: float) -> None:
         self.window = window
         self.clock = clock
+        self.measured_from = measured_from
         self.first: float | None = None
         self.tokens = 0
+        self.before = 0  # tokens streamed before the measured seconds began
 
     def on_token(self, written: int) -> None:
+        now = self.clock.monotonic()
         if self.first is None:
-            self.first = self.clock.monotonic()
+            self.first = now
+        if now < self.measured_from:
+            self.before = written
         self.window.streamed += written - self.tokens
         self.tokens = written
 
     def close(self, end: float) -> None:
-        if self.first is not None and self.tokens > 1 and end > self.first:
-            self.window.intervals.append((self.first, end, self.tokens))
+        if self.first is None:
+            return
+        start = max(self.first, self.measured_from)
+        tokens = self.tokens - (self.before if self.first < self.measured_from else 0)
+        if tokens > 1 and end > start:
+            self.window.intervals.append((start, end, tokens))
 
 
 async def _watch(window: Window, load: Callable[[], Awaitable[ServerLoad | None]],
