@@ -82,17 +82,7 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) ->
         _write_json(tmp / "config.json", _model_config(vocab_size))
         _write_json(tmp / "generation_config.json", _generation_config())
         _write_safetensors(tmp / "model.safetensors", _weights(vocab_size, seed))
-        _write_json(tmp / STAMP_NAME, stamp)
-        # Another process (a second test run, the demo) may have finished the same build
-        # meanwhile; its files are identical, so keep them rather than pull them from under it.
-        if _read_stamp(out_dir) == stamp:
-            return out_dir
-        shutil.rmtree(out_dir, ignore_errors=True)
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if _read_stamp(out_dir) != stamp:
-                raise
+        _publish(tmp, out_dir, stamp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -304,15 +294,7 @@ def build_rounded_model(source_dir: Path, out_dir: Path, *, bits: int = 4) -> Pa
                 shutil.copyfile(item, tmp / item.name)
         _write_safetensors(tmp / "model.safetensors",
                            _rounded(_read_safetensors(source_dir / "model.safetensors"), bits))
-        _write_json(tmp / STAMP_NAME, stamp)
-        if _read_stamp(out_dir) == stamp:
-            return out_dir
-        shutil.rmtree(out_dir, ignore_errors=True)
-        try:
-            tmp.rename(out_dir)
-        except OSError:
-            if _read_stamp(out_dir) != stamp:
-                raise
+        _publish(tmp, out_dir, stamp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -364,3 +346,18 @@ def _rounded(tensors: Iterator[tuple[str, list[int], bytes]], bits: int
         if sys.byteorder != "little":
             out.byteswap()
         yield name, shape, out.tobytes()
+
+
+def _publish(tmp: Path, out_dir: Path, stamp: dict[str, Any]) -> None:
+    """Move a finished build in place, stamped. Another process (a second test run, the
+    demo) may have finished the same build meanwhile; its files are identical, so keep them
+    rather than pull them from under it."""
+    _write_json(tmp / STAMP_NAME, stamp)
+    if _read_stamp(out_dir) == stamp:
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        if _read_stamp(out_dir) != stamp:
+            raise

@@ -34,6 +34,7 @@ from draftgen.store.atomic import write_atomic
 from draftgen.store.ledger import LedgerEntry
 from draftgen.store.reading import (
     UNVERIFIED,
+    RejectedCounts,
     count_rejected,
     current_entries,
     seeds_ignored_note,
@@ -76,7 +77,7 @@ class CardFacts:
     # Done samples with reasoning; of them, with reasoning on a turn before the last one.
     reasoning: int = 0
     earlier_reasoning: int = 0
-    rejected: int = 0
+    rejected: RejectedCounts = field(default_factory=RejectedCounts)
 
     def total(self, name: str) -> int:
         return sum(getattr(c, name) for c in self.categories.values())
@@ -196,7 +197,8 @@ def _counts_section(f: CardFacts) -> list[str]:
         f"{in_reasoning} of them inside the reasoning. Flagged by the output checks: "
         f"{flagged} ({_pct(flagged, done)}). Exports leave out truncated and flagged "
         "samples unless asked (`--include-truncated`, `--include-flagged`). "
-        f"Source rows set aside: {f.rejected}.",
+        f"Source rows set aside: {f.rejected.rows}. Prompts set aside as too long for the "
+        f"server's context: {f.rejected.too_long}.",
         "",
     ]
 

@@ -14,6 +14,7 @@ from rich.table import Table
 from draftgen.quality.checks import quality_flags
 from draftgen.store.reading import (
     UNVERIFIED,
+    RejectedCounts,
     count_rejected,
     current_entries,
     is_running,
@@ -43,7 +44,7 @@ class RunStatus:
     flagged: int = 0
     # Entries of rejected.jsonl: source rows set aside by the plan (one per row) and, once
     # a server's context is known, samples whose prompt cannot fit it (one per sample).
-    rejected: int = 0
+    rejected: RejectedCounts = field(default_factory=RejectedCounts)
     stale: int = 0
     failures: dict[str, int] = field(default_factory=dict)
     # Done samples per output check code, truncation codes included.
@@ -86,10 +87,10 @@ class RunStatus:
             lines.append("failures: " + ", ".join(f"{k} {v}" for k, v in self.failures.items()))
         if self.flags:
             lines.append("flags: " + ", ".join(f"{k} {v}" for k, v in self.flags.items()))
-        # Source rows the plan set aside, and samples too long for the server's context
-        # (one entry per sample): what rejected.jsonl holds, counted as it holds them.
-        lines.append(f"rejected (source rows, and samples too long for the server; see "
-                     f"rejected.jsonl): {self.rejected}")
+        # What rejected.jsonl holds, named apart: source rows the plan set aside, and
+        # prompts too long for the server's context (one entry per sample).
+        lines.append(f"set aside (see rejected.jsonl): {self.rejected.rows} source rows, "
+                     f"{self.rejected.too_long} prompts too long for the server's context")
         if len(self.configurations) > 1 or any(c != UNVERIFIED for c in self.configurations):
             lines.append("samples per server configuration (regenerate one: run JOB "
                          "--redo-config ID):")

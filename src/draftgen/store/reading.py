@@ -4,6 +4,7 @@ repaired (`status`, `export`, the card and calibration read this way while a run
 from __future__ import annotations
 
 import fcntl
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,16 +107,43 @@ def current_entries(out_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Ledg
     return plan, entries
 
 
-def count_rejected(out_dir: Path) -> int:
-    """The entries of rejected.jsonl (0 where there is none yet); a StoreError naming the
-    file where it cannot be read, as for every other file of a run directory."""
+# The reason rejected.jsonl gives a prompt set aside as too long for a server's context
+# (planning/replan.py); every other entry is a source row that could not become a sample.
+TOO_LONG = "prompt_too_long"
+
+
+@dataclass(frozen=True)
+class RejectedCounts:
+    rows: int = 0  # source rows the plan set aside (bad rows)
+    too_long: int = 0  # prompts set aside as too long for the server's context
+
+    @property
+    def total(self) -> int:
+        return self.rows + self.too_long
+
+
+def count_rejected(out_dir: Path) -> RejectedCounts:
+    """The entries of rejected.jsonl, named apart (none where there is no file yet); a
+    StoreError naming the file where it cannot be read, as for every other file of a run
+    directory."""
     path = out_dir / REJECTED
     try:
-        return sum(1 for line in path.read_bytes().splitlines() if line)
+        lines = [line for line in path.read_bytes().splitlines() if line]
     except FileNotFoundError:
-        return 0
+        return RejectedCounts()
     except OSError as e:
         raise StoreError(f"{path}: cannot read: {e.strerror}") from None
+    too_long = sum(1 for line in lines if _reason(line).startswith(TOO_LONG))
+    return RejectedCounts(len(lines) - too_long, too_long)
+
+
+def _reason(line: bytes) -> str:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return ""
+    reason = row.get("reason") if isinstance(row, dict) else None
+    return reason if isinstance(reason, str) else ""
 
 
 # How status, the card and --redo-config name records whose server was not verified.

@@ -544,11 +544,13 @@ def test_a_torn_ledger_is_not_an_error_status_reads_around_it(ws: Path) -> None:
 
 
 def test_status_names_what_it_counts_as_rejected(ws: Path) -> None:
-    (ws / "run" / "rejected.jsonl").write_text('{"reason": "a"}\n{"reason": "b"}\n')
+    (ws / "run" / "rejected.jsonl").write_text(
+        '{"reason": "a"}\n{"reason": "b"}\n{"reason": "prompt_too_long: 6,000 tokens"}\n')
     result = CliRunner().invoke(app, ["status", str(ws / "run")])
     assert result.exit_code == 0, result.output
-    line = next(x for x in result.stdout.splitlines() if x.startswith("rejected"))
-    assert "rejected.jsonl" in line and "samples" in line and line.endswith(": 2")
+    line = next(x for x in result.stdout.splitlines() if x.startswith("set aside"))
+    assert "rejected.jsonl" in line
+    assert "2 source rows, 1 prompts too long for the server's context" in line
 
 
 def test_an_os_error_no_command_expected_is_one_line_and_exit_1(

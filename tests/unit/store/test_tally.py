@@ -11,7 +11,7 @@ from draftgen.errors import StoreError
 from draftgen.reporting.card import collect
 from draftgen.reporting.status import read_status
 from draftgen.store.ledger import LedgerEntry
-from draftgen.store.reading import count_rejected
+from draftgen.store.reading import RejectedCounts, count_rejected
 from draftgen.store.run_store import LEDGER, PLAN, REJECTED
 from draftgen.store.tally import CategoryTally, current, tally
 
@@ -63,12 +63,14 @@ def make_run(out: Path) -> None:
 def test_status_and_the_card_count_alike(tmp_path: Path) -> None:
     out = tmp_path / "run"
     make_run(out)
-    (out / REJECTED).write_bytes(b'{"row": 1}\n\n{"row": 2}\n')
+    (out / REJECTED).write_bytes(
+        b'{"row": 1}\n\n{"row": 2}\n{"row": 3, "reason": "prompt_too_long: 9,000"}\n')
     status, card = read_status(out), collect(out)
     for name in ("total", "done", "failed", "truncated", "pending", "output_tokens"):
         assert getattr(status, name) == card.total(name), name
     assert (status.done, status.failed, status.pending) == (1, 1, 3)
-    assert status.rejected == card.rejected == 2
+    # Bad source rows and prompts too long for the context, named apart.
+    assert status.rejected == card.rejected == RejectedCounts(rows=2, too_long=1)
     assert card.categories["a"].lengths == [5]
 
 
@@ -76,7 +78,7 @@ def test_rejected_entries_are_counted_and_an_unreadable_file_is_a_store_error(
         tmp_path: Path) -> None:
     out = tmp_path / "run"
     make_run(out)
-    assert count_rejected(out) == 0  # none yet
+    assert count_rejected(out).total == 0  # none yet
     (out / REJECTED).mkdir()  # there, but not readable as a file
     for read in (count_rejected, read_status, collect):
         with pytest.raises(StoreError, match=r"rejected\.jsonl: cannot read"):
