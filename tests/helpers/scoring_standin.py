@@ -70,6 +70,8 @@ class StandIn:
 
     flavour: str
     model: FakeModel = field(default_factory=FakeModel)
+    # A decode that returns no logprobs (as some engines under speculative decoding).
+    no_decode_logprobs: bool = False
     seen: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     url: str = ""
 
@@ -111,7 +113,7 @@ class StandIn:
         out = [t for t, _ in steps]
         if body.get("return_token_ids"):
             choice["token_ids"] = out
-        if body.get("logprobs") is not None:
+        if body.get("logprobs") is not None and not self.no_decode_logprobs:
             n = body["logprobs"]
             name = ((lambda t: f"token_id:{t}") if body.get("return_tokens_as_token_ids")
                     else (lambda t: f"<{t}>"))

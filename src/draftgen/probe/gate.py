@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
-from draftgen.probe.drift import is_argmax, topk_kl
-from draftgen.servers.engines.scoring import Position, ScoringServer
+from draftgen.probe.drift import is_argmax, matching_prefix, topk_kl
+from draftgen.servers.engines.scoring import Position, ProbeError, ScoringServer
 
 POWER = 0.8
 
@@ -103,6 +103,13 @@ class GateResult:
         s = self.settings
         out = [f"paths checked: {', '.join(p.name for p in self.paths)} (and prefill)"]
         for p in self.paths:
+            if p.name.startswith("greedy"):
+                out.append(
+                    f"  {p.name}: {_mean(list(p.candidate_kl)):.1%} of the reference's tokens "
+                    f"not followed, against its own {_mean(list(p.floor_kl)):.1%} between two "
+                    f"decodes; exact match {_mean(list(p.candidate_top1)):.0%} against "
+                    f"{_mean(list(p.floor_top1)):.0%}")
+                continue
             out.append(
                 f"  {p.name}: mean KL {_mean(list(p.candidate_kl)):.2e} against the floor "
                 f"{_mean(list(p.floor_kl)):.2e} (excess {p.excess_kl:+.2e}); top-1 "
@@ -145,10 +152,21 @@ async def gate_prompt(prompt: list[int], ref: ScoringServer, cand: ScoringServer
     """The decode and cache-read comparisons of one rendered prompt."""
     async with asyncio.TaskGroup() as tg:
         ref_dec = tg.create_task(ref.decode(prompt, max_tokens, top_k))
-        cand_dec = tg.create_task(cand.decode(prompt, max_tokens, top_k))
+        cand_dec = tg.create_task(_decode_or_none(cand, prompt, max_tokens, top_k))
         ref_again = tg.create_task(ref.decode(prompt, max_tokens, top_k))
     r_dec, c_dec = ref_dec.result(), cand_dec.result()
-    r_tokens, c_tokens = [p.token for p in r_dec], [p.token for p in c_dec]
+    r_tokens = [p.token for p in r_dec]
+    again = [p.token for p in ref_again.result()]
+    if c_dec is None:
+        # No logprobs from the candidate's decode (some engines under speculative
+        # decoding): its greedy tokens against the reference's, with the floor the
+        # reference's own batch-to-batch agreement.
+        c_tokens = await cand.greedy(prompt, max_tokens)
+        return PromptPaths({"greedy (no decode logprobs)": (
+            _divergence(r_tokens, c_tokens), float(c_tokens == r_tokens),
+            _divergence(r_tokens, again), float(again == r_tokens), len(r_tokens))},
+            again == r_tokens)
+    c_tokens = [p.token for p in c_dec]
     async with asyncio.TaskGroup() as tg:
         r_scores_c = tg.create_task(ref.score(prompt, c_tokens, top_k))
         r_scores_r = tg.create_task(ref.score(prompt, r_tokens, top_k))
@@ -164,7 +182,22 @@ async def gate_prompt(prompt: list[int], ref: ScoringServer, cand: ScoringServer
         fresh = r_scores_r.result()[half:]
         values["cache read"] = compare_paths(r_cached[half:], c_cached[half:], fresh,
                                         r_cached[half:])
-    return PromptPaths(values, [p.token for p in ref_again.result()] == r_tokens)
+    return PromptPaths(values, again == r_tokens)
+
+
+async def _decode_or_none(server: ScoringServer, prompt: list[int], max_tokens: int,
+                          top_k: int) -> list[Position] | None:
+    try:
+        return await server.decode(prompt, max_tokens, top_k)
+    except ProbeError as e:
+        if "logprobs" in str(e):
+            return None
+        raise
+
+
+def _divergence(a: Sequence[int], b: Sequence[int]) -> float:
+    """The share of `a` that `b` does not follow before it first parts from it."""
+    return 1.0 - matching_prefix(a, b) / len(a) if a else 0.0
 
 
 async def cached_scores(server: ScoringServer, prompt: list[int], cont: list[int],
@@ -221,9 +254,13 @@ def judge(prompts: Sequence[PromptPaths], settings: GateSettings, max_tokens: in
     failures = []
     for p in paths:
         kl_diff = [c - f for c, f in zip(p.candidate_kl, p.floor_kl, strict=True)]
-        if _above(kl_diff, settings.kl_margin, alpha):
-            failures.append(f"{p.name}: mean KL {p.excess_kl:+.2e} above the reference's own "
-                            f"noise (floor {_mean(list(p.floor_kl)):.2e})")
+        greedy = p.name.startswith("greedy")
+        if _above(kl_diff, 0.0 if greedy else settings.kl_margin, alpha):
+            failures.append(
+                f"{p.name}: {p.excess_kl:+.1%} more of the reference's tokens not followed "
+                "than between two of its own decodes" if greedy else
+                f"{p.name}: mean KL {p.excess_kl:+.2e} above the reference's own noise "
+                f"(floor {_mean(list(p.floor_kl)):.2e})")
         deficit = [f - c for c, f in zip(p.candidate_top1, p.floor_top1, strict=True)]
         if _above(deficit, settings.top1_margin, alpha):
             failures.append(f"{p.name}: top-1 agreement {p.top1_deficit:.2%} below the "
@@ -241,7 +278,7 @@ def judge(prompts: Sequence[PromptPaths], settings: GateSettings, max_tokens: in
     return GateResult(settings, tuple(paths), repeat, max_tokens, tuple(failures), needed)
 
 
-_PATH_ORDER = ["decode", "decode, reverse", "cache read"]
+_PATH_ORDER = ["decode", "decode, reverse", "cache read", "greedy (no decode logprobs)"]
 
 
 def _above(diffs: Sequence[float], margin: float, alpha: float) -> bool:

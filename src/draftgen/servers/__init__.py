@@ -4,6 +4,7 @@
     profile.py    ServerProfile (YAML, validated) and its hash; tune_section.py its `tune:`
     info.py       fetch_server_info: what a running server uses (engine detected by URL)
     preflight.py  host RAM and GPU memory before a launch
+    prediction.py what a profile will hold before a GPU exists (engines/memory.py, fed)
     attach.py     a run's servers: launch, verify, configurations
     policy.py     refuse lossy or `auto` KV cache dtypes; the override's manifest stamp
     launcher.py   start / wait_ready / verify / stop / restart, state under state_dir/<name>

@@ -282,7 +282,8 @@ class Measurer:
         fields["probe"] = probe_summary(result)
         if result.passed:
             return "measured", ""
-        return "rejected", "probe: " + "; ".join(result.failures)
+        gate = list(result.gate.failures) if result.gate is not None else []
+        return "rejected", "probe: " + "; ".join([*result.failures, *gate])
 
 
 def window_failure(window: Window) -> str | None:

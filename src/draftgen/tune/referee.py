@@ -197,6 +197,7 @@ def probe_summary(result: ProbeResult) -> dict[str, Any]:
         "top1_agreement": result.top1_agreement, "exact_match_rate": result.exact_match_rate,
         "positions": result.positions, "passed": result.passed,
         "failures": list(result.failures),
+        "gate": result.gate.to_dict() if result.gate is not None else None,
     }
 
 

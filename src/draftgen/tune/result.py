@@ -57,6 +57,8 @@ class Row:
     # Why its prediction runs against its window (faster measured, predicted longer), where
     # it does: the term of the capacity model that turned it.
     why: str = ""
+    # The probe's gate as recorded (paths, floors, verdict), where it ran.
+    gate: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,8 @@ def build_rows(candidates: Sequence[Candidate], trials: Sequence[Trial],
         rows.append(Row(
             c.id, c.label, c.origin, status, shown.rung, first.kv_tokens,
             first.headroom_gib, shown.tok_s, first.tok_s, predicted, ratio,
-            probe.get("mean_kl"), probe.get("top1_agreement"), verdict, note, why))
+            probe.get("mean_kl"), probe.get("top1_agreement"), verdict, note, why,
+            probe.get("gate")))
     return rows
 
 
@@ -160,6 +163,7 @@ def format_table(result: TuneResult) -> str:
     else:
         out.append(f"best: the reference ({ref.label}) — no passing candidate beat it by "
                    "more than the measurement noise")
+    out.append(probe_line(result.rows))
     out.append("tok/s and job (pred.): at the candidate's last rung, the longest measurement "
                "it got (a candidate whose longest measurement failed is out); vs ref: against "
                "the reference measured at that same rung")
@@ -176,6 +180,18 @@ def format_table(result: TuneResult) -> str:
     out.append(spent + f"; trials in {result.tune_dir}")
     out += [f"note: {n}" for n in result.notes]
     return "\n".join(out)
+
+
+def probe_line(rows: Sequence[Row]) -> str:
+    """Which paths the probe checked, and the reference's own noise on each (the same
+    recording meets every candidate, so any candidate's gate shows it)."""
+    gate = next((r.gate for r in rows if r.gate), None)
+    if not gate:
+        return "probe: the prefill path, against fixed thresholds"
+    floors = ", ".join(f"{p['path']} {p['floor_mean_kl']:.1e}" for p in gate["paths"])
+    return (f"probe: paths checked — prefill (fixed thresholds), "
+            f"{', '.join(p['path'] for p in gate['paths'])} (against the reference's own "
+            f"noise at {gate['confidence']:.0%} confidence); noise floor, mean KL: {floors}")
 
 
 def profile_yaml(profile: ServerProfile, comment: Sequence[str]) -> str:

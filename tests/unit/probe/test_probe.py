@@ -405,3 +405,17 @@ async def test_a_recorded_reference_sees_the_decode_blind_spot_too() -> None:
     assert old.passed and old.gate is None, "prefill alone cannot see it"
     assert new.gate is not None and not new.passed
     assert any(f.startswith("decode:") for f in new.gate.failures)
+
+
+async def test_without_decode_logprobs_greedy_agreement_is_judged_against_the_floor() -> None:
+    ref = StandIn("vllm")
+    same = StandIn("vllm", no_decode_logprobs=True)
+    drifted = StandIn("vllm", FakeModel(decode_noise=0.3), no_decode_logprobs=True)
+    with serving(ref, same, drifted):
+        ok = await probe(ref, same)
+        bad = await probe(ref, drifted)
+    assert ok.gate is not None and ok.passed
+    assert [p.name for p in ok.gate.paths] == ["greedy (no decode logprobs)"]
+    assert bad.gate is not None and not bad.passed
+    assert any(f.startswith("greedy (no decode logprobs):") for f in bad.gate.failures)
+    assert "not followed" in "\n".join(bad.gate.lines())

@@ -245,3 +245,17 @@ async def test_an_engine_that_dies_quoting_its_key_leaves_it_in_no_trial(tmp_pat
     # What draftgen wrote of the command line is redacted; the engine's own lines are its.
     (command,) = [ln for ln in log.splitlines() if ln.startswith("=== draftgen serve")]
     assert "--api-key ***" in command and key not in command
+
+
+def test_the_table_says_which_paths_the_probe_checked_and_their_noise_floor() -> None:
+    from draftgen.tune.result import probe_line
+
+    gate = {"confidence": 0.99, "paths": [
+        {"path": "decode", "floor_mean_kl": 2.5e-9}, {"path": "cache read",
+                                                      "floor_mean_kl": 0.0}]}
+    rows = [Row("reference", "reference", "reference", "measured"),
+            Row("c1", "dcp=8", "grid", "measured", gate=gate)]
+    line = probe_line(rows)
+    assert "prefill (fixed thresholds), decode, cache read" in line
+    assert "99% confidence" in line and "decode 2.5e-09" in line
+    assert probe_line(rows[:1]) == "probe: the prefill path, against fixed thresholds"
