@@ -78,12 +78,21 @@ def _too_long(s: Sample, why: str) -> Rejected:
     return Rejected(s.category, src, int(row) if row.isdigit() else -1, f"prompt_too_long: {why}")
 
 
+# What a chat template may add per message beyond the counted text and its fixed allowance
+# (role markers, a default system prompt): a tokenizer's count this close to the limit is
+# asked of the server, which renders the template.
+TEMPLATE_SLACK_PER_MESSAGE = 16
+
+
 def near_context(samples: list[Sample], context: int, *, exact: bool) -> list[Sample]:
-    """Samples whose prompt might leave less than max_tokens of the context: every one a
-    counted length says so of, and, for an estimate, every one whose characters alone would
-    (a token is rarely shorter than a character)."""
-    factor = 1 if exact else CHARS_PER_TOKEN
-    return [s for s in samples if s.prompt_tokens * factor + s.max_tokens > context]
+    """Samples whose prompt might leave less than max_tokens of the context: for a
+    tokenizer's count (text, no template), every one within the template's slack of it;
+    for an estimate, every one whose characters alone would (a token is rarely shorter than
+    a character)."""
+    if exact:
+        return [s for s in samples if s.prompt_tokens + s.max_tokens + TEMPLATE_SLACK_PER_MESSAGE
+                * (len(s.messages) + len(s.followups)) > context]
+    return [s for s in samples if s.prompt_tokens * CHARS_PER_TOKEN + s.max_tokens > context]
 
 
 def escalate(plan: Plan, job: JobSpec, entries: Mapping[str, LedgerEntry], *,

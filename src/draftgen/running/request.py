@@ -7,6 +7,15 @@ that an outage counts like any transient error. One called back (a hang, or sent
 server's running limit) goes back uncharged and uncounted. A run-level error (`RunError`)
 stops the run and charges nothing. Multi-turn samples send each
 follow-up turn after the previous answer; a truncated answer ends the chain.
+
+The context, turn by turn (`context.py`): a later turn carries the answers so far, which no
+plan-time count includes, so before it is sent its prompt is reckoned from what the server
+counted of the last turn (its prompt and answer) plus the new user turn; where it and
+`max_tokens` would pass the context, `over_context: shorten` sends it with the room left,
+and `set_aside` (or no room at all) ends the chain there, the turns that fit recorded. A
+server's own "context length exceeded" is the same decision: shortened and sent again where
+its message says how long the prompt was and a shorter answer fits, else the chain ends (a
+first turn that cannot fit fails, as it would have at plan time).
 """
 
 from __future__ import annotations
@@ -18,8 +27,9 @@ from typing import Any
 
 from draftgen.client import ChatClient
 from draftgen.clock import Clock
-from draftgen.errors import RequestError, RunError, ServerDown
+from draftgen.errors import ContextTooLong, RequestError, RunError, ServerDown
 from draftgen.job import JobSpec
+from draftgen.running.context import MIN_ANSWER_TOKENS, later_turn_room, room_after_refusal
 from draftgen.running.retry import Backoff, with_retries
 from draftgen.running.state import PartitionQueue, RunState
 from draftgen.running.stats import RunStats
@@ -44,8 +54,11 @@ class Requester:
                  pool: ServerPool, scheduler: Scheduler, stats: RunStats, state: RunState,
                  clock: Clock,
                  server_fields: Callable[[str], Mapping[str, Any]] = lambda _url: {},
-                 server_config: Callable[[str], str | None] = lambda _url: None) -> None:
+                 server_config: Callable[[str], str | None] = lambda _url: None,
+                 context: int | None = None) -> None:
         self._client = client
+        self._context = context
+        self._shorten = job.over_context == "shorten"
         self._server_config = server_config
         self._server_fields = server_fields
         self._writer = writer
@@ -140,9 +153,12 @@ class Requester:
                 raise
 
         extra = self._server_fields(server.url)
+        max_tokens: int | None = None  # a later turn's own, where the context shortens it
         while True:
             body = request_body(sample, self._base, messages)
             body.update(extra)
+            if max_tokens is not None:
+                body["max_tokens"] = max_tokens
             try:
                 done, used = await with_retries(
                     lambda body=body: send(body),  # type: ignore[misc]
@@ -151,6 +167,16 @@ class Requester:
                 )
             except RunError:
                 raise
+            except ContextTooLong as e:
+                attempts += getattr(e, "attempts", 1)
+                room = room_after_refusal(str(e), self._context)
+                if self._shorten and room is not None and room < body["max_tokens"]:
+                    max_tokens = room  # the same turn again, with the answer that fits
+                    continue
+                if turns:
+                    break  # a later turn that cannot fit: the chain ends with what fit
+                return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
+                               e.reason, str(e), attempts, server.url, self._clock.time())
             except RequestError as e:
                 return Failure(sample.id, sample.fingerprint, sample.category, sample.partition,
                                e.reason, str(e), attempts + getattr(e, "attempts", 1),
@@ -164,9 +190,18 @@ class Requester:
             # A truncated reply ends the chain: the next user turn would answer a cut-off text.
             if not followups or done.finish_reason == "length":
                 break
-            flight.next_turn()
             messages.append({"role": "assistant", "content": done.content})
-            messages.append({"role": "user", "content": followups.pop(0)})
+            messages.append({"role": "user", "content": followups[0]})
+            room = later_turn_room(done, messages[-1]["content"], self._context)
+            wanted = sample.max_tokens
+            if room is not None and room < wanted:
+                if not self._shorten or room < MIN_ANSWER_TOKENS:
+                    break  # it cannot go as asked: the chain ends with the turns that fit
+                max_tokens = room
+            else:
+                max_tokens = None
+            followups.pop(0)
+            flight.next_turn()
         return Record(sample.id, sample.fingerprint, sample.category, sample.partition,
                       sample.messages, sample.followups, tuple(turns), server.url, attempts,
                       self._clock.time(), server_config=self._server_config(server.url))

@@ -252,7 +252,8 @@ class Runner:
                                       scheduler=self.scheduler, stats=self.stats, state=state,
                                       clock=self.clock,
                                       server_fields=self._servers.request_fields,
-                                      server_config=self._servers.configuration_of)
+                                      server_config=self._servers.configuration_of,
+                                      context=self._context.get("tokens"))
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(dispatcher.run(requester, tg), name="dispatch")
                 for t in helpers:

@@ -93,7 +93,7 @@ class StartUp:
             counts.update(saved.get("prompt_tokens") or {})
         exact = plan.token_count_label.startswith("tokenizer")
         ask = [s for s in near_context(todo, context, exact=exact) if s.id not in counts]
-        if ask and not exact:
+        if ask:  # a job tokenizer counts no chat template: near the limit the server decides
             counts.update(await self._count(ask))
         plan, todo, shortened = fit_context(plan, todo, context, counts=counts, keep=done,
                                             policy=self.job.over_context)

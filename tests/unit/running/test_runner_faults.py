@@ -100,7 +100,7 @@ async def test_prompts_longer_than_the_servers_context_are_set_aside(tmp_path: P
                 .splitlines()]
     assert len(rejected) == 1 and rejected[0]["reason"].startswith("prompt_too_long")
     assert rejected[0]["row"] == 4
-    assert read_status(tmp_path / "out").rejected == 1
+    assert read_status(tmp_path / "out").rejected.too_long == 1  # named apart from bad rows
 
 
 async def test_a_content_filter_stop_is_a_typed_failure(tmp_path: Path) -> None:
