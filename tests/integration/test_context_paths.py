@@ -6,6 +6,12 @@
   includes: before it is sent it is reckoned from the engine's usage of the turn before;
   one that cannot fit ends its chain with the turns that did (before: the engine refused it
   and the whole sample, first turn included, was a failure).
+
+A later turn *shortened* to the room it has is tested with the server's usage scripted
+(tests/unit/running/test_context_turns.py): on this engine the tiny model's answers, sent
+back as text, re-tokenise to 1.5-2.5x their count, so the room is not predictable here; and
+vLLM 0.32 clamps an answer that would pass the context by itself, where SGLang refuses it
+(its words are tested there too).
 """
 
 from __future__ import annotations
@@ -68,26 +74,11 @@ def test_a_later_turn_that_cannot_fit_ends_the_chain_with_what_did(
                     max_tokens=1600, extra="multi_turn: all\n")
     ran = draftgen("run", str(job))
     assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    [record] = shard_records(tmp_path / "out")
+    out = tmp_path / "out"
+    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
+    [record] = shard_records(out)
+    # The plan fitted the first request to every user turn; the answer it allowed then
+    # leaves no room for the second turn, which ends the chain, kept.
     assert len(record["turns"]) == 1
-    assert record["turns"][0]["completion_tokens"] == 1600
+    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
 
-
-def test_a_later_turn_is_shortened_to_the_room_it_has(
-    local_engine: LocalEngine, tmp_path: Path
-) -> None:
-    conversation = [
-        {"role": "user", "content": "Count to ten."},
-        {"role": "assistant", "content": "1 2 3"},
-        {"role": "user", "content": "7" * 1500},  # leaves ~900 of the 1,600 asked
-        {"role": "assistant", "content": "done"},
-    ]
-    job = write_job(tmp_path, local_engine.url, [{"id": 1, "messages": conversation}],
-                    max_tokens=1600, extra="multi_turn: all\n")
-    ran = draftgen("run", str(job))
-    assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    [record] = shard_records(tmp_path / "out")
-    first, second = record["turns"]
-    assert first["completion_tokens"] == 1600
-    assert 0 < second["completion_tokens"] < 1600
-    assert second["prompt_tokens"] + second["completion_tokens"] <= local_engine.max_model_len

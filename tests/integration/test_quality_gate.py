@@ -18,8 +18,8 @@ from draftgen.engine import EngineError, LocalEngine
 from draftgen.probe import ProbeResult, ProbeThresholds, load_prompts, run_probe
 from draftgen.probe.gate import GateSettings
 
-N_PROMPTS = 12
-MAX_TOKENS = 24
+N_PROMPTS = 8
+MAX_TOKENS = 16
 REPEATS = 3
 # The prefill thresholds are not what this file tests: wide open, so the verdict is the gate's.
 OPEN = ProbeThresholds(max_mean_kl=1.0, min_top1=0.0)
@@ -78,6 +78,13 @@ def test_weights_rounded_to_four_bits_fail_on_the_decode_path(
 def test_fp8_kv_fails_where_the_cpu_serves_it(
     local_engine: LocalEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() \
+        else set()
+    if flags and "avx512f" not in flags and not any(f.startswith("amx") for f in flags):
+        # Saves the minute the engine takes to say so ("FP8 KV cache on CPU requires x86
+        # with AVX-512 or AMX"); where the flags are there, the engine is asked.
+        pytest.skip("vLLM's CPU build refuses an fp8 KV cache without AVX-512/AMX; the 4-bit "
+                    "weights test holds the lossy case here")
     engine = LocalEngine(tiny_model_dir, log_path=tmp_path / "vllm.log",
                          extra_args=["--kv-cache-dtype", "fp8"])
     try:

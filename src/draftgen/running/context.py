@@ -34,6 +34,10 @@ _REFUSALS = (
     # [at least ]N input tokens, which exceeds this limit even without any output tokens."
     re.compile(r"maximum context length is (?P<context>\d+) tokens\. However, your prompt "
                r"contains (?:at least )?(?P<prompt>\d+) input tokens"),
+    # vLLM 0.32 (where the prompt alone is too long; it clamps max_tokens itself otherwise):
+    # "Input length (N) exceeds model's maximum context length (M)."
+    re.compile(r"Input length \((?P<prompt>\d+)\) exceeds model's maximum context length "
+               r"\((?P<context>\d+)\)"),
     # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
     re.compile(r"input \((?P<prompt>\d+) tokens\) is longer than the model's context "
                r"length \((?P<context>\d+) tokens\)"),

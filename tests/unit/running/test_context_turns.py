@@ -105,6 +105,8 @@ def test_the_room_each_engine_states() -> None:
     assert room_after_refusal(new_vllm, None) is None
     assert room_after_refusal("The input (5000 tokens) is longer than the model's context "
                               "length (4096 tokens).", None) is None
+    assert room_after_refusal("Input length (4200) exceeds model's maximum context length "
+                              "(4096).", None) is None
     assert room_after_refusal("context_length_exceeded", None) is None  # says nothing more
 
 
