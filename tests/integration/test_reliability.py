@@ -273,6 +273,7 @@ def test_bad_input_is_set_aside_with_reasons_and_the_run_goes_on(
     assert all(r["source"].endswith("p.jsonl") and r["row"] > 20 for r in rejected)
     st = orjson.loads(draftgen("status", str(out), "--json").stdout)
     assert st["rejected"] == 7
+    assert st["set_aside"] == {"rows": 6, "too_long": 1}
     print(f"RELIABILITY bad input: {len(rejected)} rows set aside ({', '.join(reasons)}); "
           f"{ran.stdout.strip()}")
 

@@ -115,6 +115,9 @@ class RunStatus:
         d["categories"] = {
             k: {f.name: getattr(v, f.name) for f in fields(v)} for k, v in self.categories.items()
         }
+        # `rejected` stays the count of rejected.jsonl's entries; `set_aside` names them apart.
+        d["rejected"] = self.rejected.total
+        d["set_aside"] = {"rows": self.rejected.rows, "too_long": self.rejected.too_long}
         runs = self.manifest.get("runs") or []
         d["runs"] = len(runs)
         d["last_run"] = runs[-1] if runs else None
