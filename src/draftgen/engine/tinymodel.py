@@ -25,6 +25,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,20 +72,11 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) ->
     stamp = _stamp(vocab_size, seed)
     if _read_stamp(out_dir) == stamp:
         return out_dir
-    # Build beside the target and swap it in, so a crash never leaves a half-written model
-    # that a later run would serve.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with _building(out_dir, stamp) as tmp:
         _write_tokenizer(tmp, vocab_size)
         _write_json(tmp / "config.json", _model_config(vocab_size))
         _write_json(tmp / "generation_config.json", _generation_config())
         _write_safetensors(tmp / "model.safetensors", _weights(vocab_size, seed))
-        _publish(tmp, out_dir, stamp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -284,19 +276,12 @@ def build_rounded_model(source_dir: Path, out_dir: Path, *, bits: int = 4) -> Pa
              "source": source_stamp}
     if _read_stamp(out_dir) == stamp:
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with _building(out_dir, stamp) as tmp:
         for item in source_dir.iterdir():
             if item.is_file() and item.name not in (STAMP_NAME, "model.safetensors"):
                 shutil.copyfile(item, tmp / item.name)
         _write_safetensors(tmp / "model.safetensors",
                            _rounded(_read_safetensors(source_dir / "model.safetensors"), bits))
-        _publish(tmp, out_dir, stamp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -346,6 +331,21 @@ def _rounded(tensors: Iterator[tuple[str, list[int], bytes]], bits: int
         if sys.byteorder != "little":
             out.byteswap()
         yield name, shape, out.tobytes()
+
+
+@contextmanager
+def _building(out_dir: Path, stamp: dict[str, Any]) -> Iterator[Path]:
+    """A folder beside `out_dir` to build in, swapped in stamped when the block ends, so a
+    crash never leaves a half-written model that a later run would serve."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _publish(tmp, out_dir, stamp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _publish(tmp: Path, out_dir: Path, stamp: dict[str, Any]) -> None:

@@ -32,9 +32,8 @@ from draftgen.servers.engines.memory import (
 )
 from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, read_gpu_memory
+from draftgen.servers.launcher import SUMMARY_FILE
 from draftgen.servers.profile import ServerProfile
-
-SUMMARY_FILE = "summary.json"  # written by the launcher after each verify
 
 
 @dataclass(frozen=True)
