@@ -4,7 +4,7 @@ against its captured /metrics, GPU headroom from captured nvidia-smi text, and t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +33,23 @@ from draftgen.servers.gpu import (
     visible_indices,
 )
 from draftgen.servers.process import find_free_port
-from helpers.sglang_standin import StandinConfig
+from helpers.sglang_standin import StandinConfig, start_standin
 
 Standin = Callable[[StandinConfig], Any]
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[Callable[[StandinConfig], Any]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(cfg: StandinConfig) -> str:
+        runner, url = await start_standin(cfg)
+        runners.append(runner)
+        return url
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
 
 
 async def test_sglang_info_per_dp_rank_from_v1_loads(standin: Standin) -> None:

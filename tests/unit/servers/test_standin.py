@@ -8,12 +8,13 @@ import asyncio
 import json
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from draftgen.client.openai import ChatClient
@@ -39,6 +40,20 @@ BOTH = ["0.5.23", "0.5.9"]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
 
 Standin = Callable[[StandinConfig], Any]
+
+
+@pytest.fixture
+async def standin() -> AsyncIterator[Standin]:
+    runners: list[web.AppRunner] = []
+
+    async def start(cfg: StandinConfig) -> str:
+        runner, url = await start_standin(cfg)
+        runners.append(runner)
+        return url
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
 
 
 def argv(flags: str) -> list[str]:
