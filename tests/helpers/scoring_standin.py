@@ -167,9 +167,10 @@ class StandIn:
                 tokens.append([lps[ids[pos]], ids[pos], None])
                 tops.append([[lps[t], t, None] for t in ranked(lps)[:k]])
             meta |= {"input_token_logprobs": tokens, "input_top_logprobs": tops}
-            meta["output_token_logprobs"] = [[lps[t], t, None] for t, lps in steps]
-            meta["output_top_logprobs"] = [[[lps[u], u, None] for u in ranked(lps)[:k]]
-                                           for _, lps in steps]
+            if not self.no_decode_logprobs:
+                meta["output_token_logprobs"] = [[lps[t], t, None] for t, lps in steps]
+                meta["output_top_logprobs"] = [[[lps[u], u, None] for u in ranked(lps)[:k]]
+                                               for _, lps in steps]
         reply: dict[str, Any] = {"text": "", "meta_info": meta}
         if self.flavour == "sglang":
             reply["output_ids"] = out

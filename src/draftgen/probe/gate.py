@@ -17,6 +17,12 @@ reuses cached K/V; speculative decoding runs only in decode. So, per prompt:
   then the whole, so the second request reads the first half's K/V from the prefix cache;
   the candidate's cached scores against the reference's cached scores, with the floor the
   reference's cached scores against its fresh ones.
+- **greedy path**, where the candidate's decode returns no logprobs (some engines under
+  speculative decoding): per prompt, the share of the reference's tokens the candidate's
+  greedy tokens do not follow (from their first divergence on) and whether they match
+  exactly, with the floor the same between the reference's two decodes (its batch-to-batch
+  agreement). It takes the decode paths' place in the verdict; no margin applies to the
+  share (`kl_margin` is in nats), `top1_margin` to exact matches.
 
 The verdict is a paired test over prompts (positions within a prompt are not independent):
 per prompt, the candidate's mean KL minus the floor's (and the floor's top-1 agreement minus
@@ -40,6 +46,7 @@ from draftgen.probe.drift import is_argmax, matching_prefix, topk_kl
 from draftgen.servers.engines.scoring import Position, ProbeError, ScoringServer
 
 POWER = 0.8
+GREEDY = "greedy (no decode logprobs)"
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,12 @@ class PathCheck:
     positions: int
 
     @property
+    def greedy(self) -> bool:
+        """The greedy path: its "KL" is the share of tokens not followed, its "top-1" the
+        exact-match share."""
+        return self.name == GREEDY
+
+    @property
     def excess_kl(self) -> float:
         return _mean([c - f for c, f in zip(self.candidate_kl, self.floor_kl, strict=True)])
 
@@ -77,6 +90,15 @@ class PathCheck:
         return _mean([f - c for c, f in zip(self.candidate_top1, self.floor_top1, strict=True)])
 
     def summary(self) -> dict[str, Any]:
+        if self.greedy:
+            return {"path": self.name, "prompts": len(self.candidate_kl),
+                    "positions": self.positions,
+                    "candidate_not_followed": _mean(list(self.candidate_kl)),
+                    "floor_not_followed": _mean(list(self.floor_kl)),
+                    "candidate_exact_match": _mean(list(self.candidate_top1)),
+                    "floor_exact_match": _mean(list(self.floor_top1)),
+                    "excess_not_followed": self.excess_kl,
+                    "exact_match_deficit": self.top1_deficit}
         return {"path": self.name, "prompts": len(self.candidate_kl),
                 "positions": self.positions,
                 "candidate_mean_kl": _mean(list(self.candidate_kl)),
@@ -103,7 +125,7 @@ class GateResult:
         s = self.settings
         out = [f"paths checked: {', '.join(p.name for p in self.paths)} (and prefill)"]
         for p in self.paths:
-            if p.name.startswith("greedy"):
+            if p.greedy:
                 out.append(
                     f"  {p.name}: {_mean(list(p.candidate_kl)):.1%} of the reference's tokens "
                     f"not followed, against its own {_mean(list(p.floor_kl)):.1%} between two "
@@ -124,7 +146,8 @@ class GateResult:
                        f"{self.prompts_needed} prompts of {self.max_tokens} tokens "
                        f"(this gate ran {n})")
         head = "gate PASS" if self.passed else "gate FAIL"
-        out.append(f"{head}: different beyond the reference's own noise at "
+        names = ", ".join(p.name for p in self.paths) or "no path"
+        out.append(f"{head} on {names}: different beyond the reference's own noise at "
                    f"{s.confidence:.0%} confidence? "
                    + ("no" if self.passed else "yes — " + "; ".join(self.failures)))
         return out
@@ -152,20 +175,13 @@ async def gate_prompt(prompt: list[int], ref: ScoringServer, cand: ScoringServer
     """The decode and cache-read comparisons of one rendered prompt."""
     async with asyncio.TaskGroup() as tg:
         ref_dec = tg.create_task(ref.decode(prompt, max_tokens, top_k))
-        cand_dec = tg.create_task(_decode_or_none(cand, prompt, max_tokens, top_k))
+        cand_dec = tg.create_task(decode_or_none(cand, prompt, max_tokens, top_k))
         ref_again = tg.create_task(ref.decode(prompt, max_tokens, top_k))
     r_dec, c_dec = ref_dec.result(), cand_dec.result()
     r_tokens = [p.token for p in r_dec]
     again = [p.token for p in ref_again.result()]
     if c_dec is None:
-        # No logprobs from the candidate's decode (some engines under speculative
-        # decoding): its greedy tokens against the reference's, with the floor the
-        # reference's own batch-to-batch agreement.
-        c_tokens = await cand.greedy(prompt, max_tokens)
-        return PromptPaths({"greedy (no decode logprobs)": (
-            _divergence(r_tokens, c_tokens), float(c_tokens == r_tokens),
-            _divergence(r_tokens, again), float(again == r_tokens), len(r_tokens))},
-            again == r_tokens)
+        return greedy_path(r_tokens, await cand.greedy(prompt, max_tokens), again)
     c_tokens = [p.token for p in c_dec]
     async with asyncio.TaskGroup() as tg:
         r_scores_c = tg.create_task(ref.score(prompt, c_tokens, top_k))
@@ -185,14 +201,26 @@ async def gate_prompt(prompt: list[int], ref: ScoringServer, cand: ScoringServer
     return PromptPaths(values, again == r_tokens)
 
 
-async def _decode_or_none(server: ScoringServer, prompt: list[int], max_tokens: int,
-                          top_k: int) -> list[Position] | None:
+async def decode_or_none(server: ScoringServer, prompt: list[int], max_tokens: int,
+                         top_k: int) -> list[Position] | None:
+    """The server's decode, or None where it answers without logprobs."""
     try:
         return await server.decode(prompt, max_tokens, top_k)
     except ProbeError as e:
         if "logprobs" in str(e):
             return None
         raise
+
+
+def greedy_path(reference: Sequence[int], candidate: Sequence[int], again: Sequence[int]
+                ) -> PromptPaths:
+    """The greedy path of one prompt (see the module docstring): the candidate's greedy
+    tokens against the reference's, the floor the reference's second decode against its
+    first."""
+    same = list(again) == list(reference)
+    return PromptPaths({GREEDY: (
+        _divergence(reference, candidate), float(list(candidate) == list(reference)),
+        _divergence(reference, again), float(same), len(reference))}, same)
 
 
 def _divergence(a: Sequence[int], b: Sequence[int]) -> float:
@@ -254,17 +282,17 @@ def judge(prompts: Sequence[PromptPaths], settings: GateSettings, max_tokens: in
     failures = []
     for p in paths:
         kl_diff = [c - f for c, f in zip(p.candidate_kl, p.floor_kl, strict=True)]
-        greedy = p.name.startswith("greedy")
-        if _above(kl_diff, 0.0 if greedy else settings.kl_margin, alpha):
+        if _above(kl_diff, 0.0 if p.greedy else settings.kl_margin, alpha):
             failures.append(
                 f"{p.name}: {p.excess_kl:+.1%} more of the reference's tokens not followed "
-                "than between two of its own decodes" if greedy else
+                "than between two of its own decodes" if p.greedy else
                 f"{p.name}: mean KL {p.excess_kl:+.2e} above the reference's own noise "
                 f"(floor {_mean(list(p.floor_kl)):.2e})")
         deficit = [f - c for c, f in zip(p.candidate_top1, p.floor_top1, strict=True)]
         if _above(deficit, settings.top1_margin, alpha):
-            failures.append(f"{p.name}: top-1 agreement {p.top1_deficit:.2%} below the "
-                            "reference's own")
+            what = "exact matches" if p.greedy else "top-1 agreement"
+            failures.append(f"{p.name}: {what} {p.top1_deficit:.2%} below the reference's "
+                            "own")
     if not paths or not any(p.positions for p in paths):
         failures.append("no positions were compared (every answer was empty)")
     decode = next((p for p in paths if p.name == "decode"), None)
@@ -278,7 +306,7 @@ def judge(prompts: Sequence[PromptPaths], settings: GateSettings, max_tokens: in
     return GateResult(settings, tuple(paths), repeat, max_tokens, tuple(failures), needed)
 
 
-_PATH_ORDER = ["decode", "decode, reverse", "cache read", "greedy (no decode logprobs)"]
+_PATH_ORDER = ["decode", "decode, reverse", "cache read", GREEDY]
 
 
 def _above(diffs: Sequence[float], margin: float, alpha: float) -> bool:

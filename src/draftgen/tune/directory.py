@@ -3,15 +3,15 @@
     tune.json            what the tune is for (`tuner.tune_key`): the reference profile's
                          hash, its `tune:` section (the draft model too), the engine
                          release, the job's plan digest, the options that shape a
-                         measurement
+                         measurement, the probe's sizes and thresholds
     tune.jsonl           one `Trial` per candidate and rung, appended (fsynced) by the one
                          search loop that owns the file; a torn last line is cut on open
     reference_probe.json the reference's side of the A/B probe (`referee.py`)
     servers/<id>/        each candidate's server log, pid and summary
     best.yaml, tune.png  the result (`result.py`)
 
-A directory made for another profile, tune section, engine release, job or measurement is
-refused, never mixed in. No file here holds an API key (see `measure.py`, `result.py`).
+A directory made for another profile, tune section, engine release, job, measurement or
+probe is refused, never mixed in. No file here holds an API key (see `measure.py`, `result.py`).
 """
 
 from __future__ import annotations

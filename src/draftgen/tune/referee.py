@@ -4,13 +4,16 @@
 one machine share its memory and cores, and the reference would have to stay up through
 every candidate), so the reference's side is recorded after its launch — each prompt's
 token ids as its chat template renders them, its greedy continuation, its teacher-forced
-top-k at every position of it, its own decode-step top-k, and its scores read through the
-prefix cache — and written to the tune directory. Each candidate is then scored on those same
-ids (fresh and through its cache), continues them greedily and decodes them with its top-k;
+top-k at every position of it, its own decode-step top-k, the tokens of a second decode
+beside the first (its batch-to-batch agreement), and its scores read through the prefix
+cache — and written to the tune directory. Each candidate is then scored on those same ids
+(fresh and through its cache), continues them greedily and decodes them with its top-k;
 `probe.drift` judges the prefill path as `draftgen probe` does, and `probe.gate` the decode
 path (where the candidate's tokens still follow the reference's, its decode step against the
 reference's score of that same context) and the cache-read path, each against the
-reference's own noise. Every candidate meets the same reference answers.
+reference's own noise — or, where the candidate's decode returns no logprobs (speculative
+decoding on some engines), the greedy path: its tokens against the recording's, the floor
+the recording's two decodes. Every candidate meets the same reference answers.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from draftgen.probe.gate import (
     against_recording,
     cached_scores,
     compare_paths,
+    decode_or_none,
+    greedy_path,
     judge,
 )
 from draftgen.sample import Message
@@ -55,6 +60,9 @@ class RecordedReference:
     # recording made before the gate: then only the prefill path is judged).
     decodes: tuple[tuple[Position, ...], ...] = ()
     cached: tuple[tuple[Position, ...], ...] = ()
+    # The tokens of its second decode, made beside the first: the greedy path's floor
+    # (empty in a recording made before that path).
+    again: tuple[tuple[int, ...], ...] = ()
 
     def to_json(self) -> bytes:
         return orjson.dumps({
@@ -62,7 +70,7 @@ class RecordedReference:
             "max_tokens": self.max_tokens, "top_k": self.top_k,
             "prompts": self.prompts, "outputs": self.outputs,
             "positions": _rows(self.positions), "decodes": _rows(self.decodes),
-            "cached": _rows(self.cached),
+            "cached": _rows(self.cached), "again": self.again,
         })
 
     @classmethod
@@ -73,7 +81,8 @@ class RecordedReference:
             top_k=d["top_k"], prompts=tuple(tuple(p) for p in d["prompts"]),
             outputs=tuple(tuple(o) for o in d["outputs"]),
             positions=_read_rows(d["positions"]), decodes=_read_rows(d.get("decodes") or []),
-            cached=_read_rows(d.get("cached") or []))
+            cached=_read_rows(d.get("cached") or []),
+            again=tuple(tuple(a) for a in d.get("again") or []))
 
     def save(self, path: Path) -> None:
         write_atomic(path, self.to_json())
@@ -128,12 +137,15 @@ async def record_reference(url: str, prompts: Sequence[Sequence[Message]], *, mo
     scored: list[list[Position]] = [[] for _ in range(n)]
     decoded: list[list[Position]] = [[] for _ in range(n)]
     cached: list[list[Position]] = [[] for _ in range(n)]
+    again: list[list[Position]] = [[] for _ in range(n)]
     async with open_session(timeout_s=_TIMEOUT_S) as s:
         server = await connect(Http(s, api_key), url, model)
 
         async def one(i: int) -> None:
             ids[i] = await server.render(prompts[i])
-            decoded[i] = await server.decode(ids[i], max_tokens, top_k)
+            decoded[i], again[i] = await asyncio.gather(
+                server.decode(ids[i], max_tokens, top_k),
+                server.decode(ids[i], max_tokens, top_k))
             outs[i] = [p.token for p in decoded[i]]
             scored[i] = await server.score(ids[i], outs[i], top_k)
             cached[i] = await cached_scores(server, ids[i], outs[i], top_k)
@@ -142,7 +154,8 @@ async def record_reference(url: str, prompts: Sequence[Sequence[Message]], *, mo
     return RecordedReference(url, server.kind, server.model, max_tokens, top_k,
                              tuple(map(tuple, ids)), tuple(map(tuple, outs)),
                              tuple(map(tuple, scored)), tuple(map(tuple, decoded)),
-                             tuple(map(tuple, cached)))
+                             tuple(map(tuple, cached)),
+                             tuple(tuple(p.token for p in row) for row in again))
 
 
 async def probe_against(reference: RecordedReference, url: str, *,
@@ -151,7 +164,7 @@ async def probe_against(reference: RecordedReference, url: str, *,
                         ) -> ProbeResult:
     """Score and continue the reference's prompts on `url`, and judge the drift: the
     prefill path always, the decode and cache-read paths where `gate` is given and the
-    recording has them."""
+    recording has them (the greedy path instead, where `url` decodes without logprobs)."""
     n = len(reference.prompts)
     results: list[Any] = [None] * n
     paths: list[PromptPaths | None] = [None] * n
@@ -162,10 +175,13 @@ async def probe_against(reference: RecordedReference, url: str, *,
         async def one(i: int) -> None:
             prompt, ref_out = list(reference.prompts[i]), list(reference.outputs[i])
             positions = await server.score(prompt, ref_out, reference.top_k)
-            if not judged:
+            decoded = await decode_or_none(server, prompt, reference.max_tokens,
+                                           reference.top_k) if judged else None
+            if decoded is None:
                 greedy = await server.greedy(prompt, reference.max_tokens)
+                if judged:
+                    paths[i] = greedy_path(ref_out, greedy, _again(reference, i))
             else:
-                decoded = await server.decode(prompt, reference.max_tokens, reference.top_k)
                 greedy = [p.token for p in decoded]
                 values = {"decode": against_recording(reference.positions[i],
                                                       reference.decodes[i], decoded)}
@@ -177,7 +193,8 @@ async def probe_against(reference: RecordedReference, url: str, *,
                     values["cache read"] = compare_paths(
                         theirs[half:], mine[half:], reference.positions[i][half:],
                         theirs[half:])
-                paths[i] = PromptPaths(values, True)
+                paths[i] = PromptPaths(values, not reference.again
+                                       or list(reference.again[i]) == ref_out)
             results[i] = compare_prompt(i, len(prompt), ref_out, greedy,
                                         list(reference.positions[i]), positions)
 
@@ -188,6 +205,15 @@ async def probe_against(reference: RecordedReference, url: str, *,
         return result
     return replace(result, gate=judge([p for p in paths if p is not None], gate,
                                       reference.max_tokens))
+
+
+def _again(reference: RecordedReference, i: int) -> list[int]:
+    if len(reference.again) != len(reference.prompts):
+        raise ProbeError("the candidate's decode returns no logprobs, and the recorded "
+                         "reference has no second decode to judge its greedy tokens against "
+                         "(recorded before that path): delete reference_probe.json to "
+                         "record it again")
+    return list(reference.again[i])
 
 
 def probe_summary(result: ProbeResult) -> dict[str, Any]:

@@ -188,7 +188,10 @@ def probe_line(rows: Sequence[Row]) -> str:
     gate = next((r.gate for r in rows if r.gate), None)
     if not gate:
         return "probe: the prefill path, against fixed thresholds"
-    floors = ", ".join(f"{p['path']} {p['floor_mean_kl']:.1e}" for p in gate["paths"])
+    floors = ", ".join(
+        f"{p['path']} {p['floor_not_followed']:.1%} of tokens not followed"
+        if "floor_not_followed" in p else f"{p['path']} {p['floor_mean_kl']:.1e}"
+        for p in gate["paths"])
     return (f"probe: paths checked — prefill (fixed thresholds), "
             f"{', '.join(p['path'] for p in gate['paths'])} (against the reference's own "
             f"noise at {gate['confidence']:.0%} confidence); noise floor, mean KL: {floors}")

@@ -13,8 +13,9 @@ same way and close in time, and must generate what it generates (the A/B probe).
 The tune directory is keyed (`tune_key`) by everything a trial depends on: the reference
 profile's settings (`profile_hash`), its `tune:` section (the draft model of speculative
 decoding included, which `profile_hash` leaves out), the engine release its interpreter
-has, the job's requests and the measurement's options. Any of them changed, the directory
-is refused rather than its trials reused for what they did not measure.
+has, the job's requests, the measurement's options and the probe's sizes and thresholds
+(a trial's verdict is the probe's as it was). Any of them changed, the directory is
+refused rather than its trials reused for what they did not measure.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +102,19 @@ def tune_key(reference: ServerProfile, install: EngineInstall, job: str,
     """What the tune directory is for (see the module docstring): `tune.json`."""
     section = (reference.tune.model_dump(mode="json", exclude_defaults=True)
                if reference.tune is not None else None)
+    probe = reference.quality.probe
     return {
         "profile": profile_hash(reference),
         "tune section": section,
         "engine": f"{install.engine} {install.version or '(not found)'}",
         "job": job,
         "measurement": {"measure_s": opts.measure_s, "warmup_s": opts.warmup_s,
-                        "eta": opts.eta, "probe_n": opts.probe_n,
-                        "probe_max_tokens": opts.probe_max_tokens,
-                        "probe_top_k": opts.probe_top_k},
+                        "eta": opts.eta},
+        # Its sizes as this tune runs them, the gate's thresholds and the prefill path's.
+        "probe": {**probe.model_dump(mode="json"), "prompts": opts.probe_n or probe.prompts,
+                  "max_tokens": opts.probe_max_tokens or probe.max_tokens,
+                  "top_k": opts.probe_top_k or probe.top_k,
+                  "prefill": asdict(opts.thresholds)},
     }
 
 

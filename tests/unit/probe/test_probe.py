@@ -419,3 +419,45 @@ async def test_without_decode_logprobs_greedy_agreement_is_judged_against_the_fl
     assert bad.gate is not None and not bad.passed
     assert any(f.startswith("greedy (no decode logprobs):") for f in bad.gate.failures)
     assert "not followed" in "\n".join(bad.gate.lines())
+    # The greedy path's second test is on exact matches (no top-1 is known), and the verdict
+    # line says which path made it.
+    assert any("exact match" in f and "top-1" not in f for f in bad.gate.failures)
+    assert bad.gate.lines()[-1].startswith("gate FAIL on greedy (no decode logprobs):")
+    assert ok.gate.lines()[-1].startswith("gate PASS on greedy (no decode logprobs):")
+    (path,) = bad.gate.to_dict()["paths"]
+    assert path["floor_not_followed"] == 0.0 < path["candidate_not_followed"]
+    assert "floor_mean_kl" not in path, "the greedy path measures no KL"
+
+
+async def test_the_verdict_line_names_the_paths_that_made_it() -> None:
+    ref, cand = StandIn("vllm"), StandIn("vllm")
+    with serving(ref, cand):
+        result = await probe(ref, cand)
+    assert result.gate is not None
+    assert result.gate.lines()[-1].startswith("gate PASS on decode, decode, reverse, cache read:")
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+async def test_a_recorded_reference_judges_a_candidate_without_decode_logprobs(
+        flavour: str) -> None:
+    # draftgen tune's speculative candidates are the ones whose decode may return no
+    # logprobs: their greedy tokens against the recording's, with the floor the recording's
+    # two decodes of each prompt.
+    from draftgen.tune.referee import RecordedReference, probe_against, record_reference
+
+    ref = StandIn(flavour)
+    same = StandIn(flavour, no_decode_logprobs=True)
+    drifted = StandIn(flavour, FakeModel(decode_noise=0.3), no_decode_logprobs=True)
+    with serving(ref, same, drifted):
+        recorded = RecordedReference.from_json((await record_reference(
+            ref.url, PROMPTS[:10], model=None, max_tokens=12, top_k=8)).to_json())
+        assert recorded.again == recorded.outputs
+        gate = GateSettings()
+        ok = await probe_against(recorded, same.url, thresholds=ProbeThresholds(), gate=gate)
+        bad = await probe_against(recorded, drifted.url, thresholds=ProbeThresholds(),
+                                  gate=gate)
+    assert ok.gate is not None and ok.passed, ok.gate
+    assert [p.name for p in ok.gate.paths] == ["greedy (no decode logprobs)"]
+    assert ok.gate.reference_repeat_match == 1.0
+    assert bad.gate is not None and not bad.passed
+    assert any(f.startswith("greedy (no decode logprobs):") for f in bad.gate.failures)

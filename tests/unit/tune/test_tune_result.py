@@ -259,3 +259,14 @@ def test_the_table_says_which_paths_the_probe_checked_and_their_noise_floor() ->
     assert "prefill (fixed thresholds), decode, cache read" in line
     assert "99% confidence" in line and "decode 2.5e-09" in line
     assert probe_line(rows[:1]) == "probe: the prefill path, against fixed thresholds"
+
+
+def test_the_table_gives_the_greedy_paths_floor_as_tokens_not_followed() -> None:
+    from draftgen.tune.result import probe_line
+
+    gate = {"confidence": 0.99, "paths": [
+        {"path": "greedy (no decode logprobs)", "floor_not_followed": 0.025,
+         "floor_exact_match": 0.9}]}
+    line = probe_line([Row("c1", "speculative", "grid", "measured", gate=gate)])
+    assert "prefill (fixed thresholds), greedy (no decode logprobs)" in line
+    assert "greedy (no decode logprobs) 2.5% of tokens not followed" in line

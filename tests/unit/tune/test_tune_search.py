@@ -330,3 +330,31 @@ async def test_a_combination_that_changes_nothing_is_skipped() -> None:
     assert (combined, 0) not in m.calls
     assert [t.status for t in sink if t.origin == "combined"] == ["skipped"]
     assert out.best is not None and out.best.label == "max_running_requests=16"
+
+
+@pytest.mark.parametrize("change", [
+    {"prompts": 24}, {"max_tokens": 64}, {"top_k": 20}, {"confidence": 0.95},
+    {"kl_margin": 1e-4}, {"top1_margin": 0.01}, {"detect_kl": 1e-4}, {"cache_read": False}])
+def test_a_changed_probe_is_another_tune(tmp_path: Path, change: dict[str, object]) -> None:
+    # The trials' verdicts were made by the probe as it was: a stricter or larger one must
+    # not reuse them.
+    from draftgen.probe import ProbeThresholds
+    from draftgen.servers import load_profile
+    from draftgen.servers.engines.install import EngineInstall
+    from draftgen.tune.tuner import TuneOptions, tune_key
+
+    profile = load_profile(Path(__file__).resolve().parents[3] / "examples" / "profiles"
+                           / "kimi-k2.5-sglang-8gpu.yaml")
+    install = EngineInstall("sglang", "python", "0.5.23")
+    key = tune_key(profile, install, "job", TuneOptions())
+    probe = profile.quality.probe.model_copy(update=change)
+    other = profile.model_copy(update={"quality": profile.quality.model_copy(
+        update={"probe": probe})})
+    assert tune_key(other, install, "job", TuneOptions())["probe"] != key["probe"]
+    # The prefill path's fixed thresholds too.
+    stricter = tune_key(profile, install, "job",
+                        TuneOptions(thresholds=ProbeThresholds(min_top1=0.99)))
+    assert [k for k in key if key[k] != stricter[k]] == ["probe"]
+    TuneDir(tmp_path).open(key)
+    with pytest.raises(JobError, match="another probe"):
+        TuneDir(tmp_path).open(stricter)
