@@ -111,15 +111,20 @@ class Category(_Strict):
 
 
 class Server(_Strict):
-    """A running server (`url`), or a server profile to launch for the run (`launch`)."""
+    """A running server (`url`), a gateway in front of workers (`gateway`), or a server
+    profile to launch for the run (`launch`)."""
 
     url: str | None = None
-    # The profile an already running `url` was started from: its quality override applies.
+    # A gateway (the SGLang Model Gateway): its workers are found, verified one by one and
+    # kept fresh while the run goes; each is addressed through the gateway.
+    gateway: str | None = None
+    # The profile an already running `url` (or every worker of `gateway`) was started from:
+    # its quality override applies.
     profile: str | None = None
     # Started before the run (under OUT/servers, on a free port) and stopped after it.
     launch: str | None = None
 
-    @field_validator("url")
+    @field_validator("url", "gateway")
     @classmethod
     def _http(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("http://", "https://")):
@@ -130,10 +135,11 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _one_kind(self) -> Server:
-        if (self.url is None) == (self.launch is None):
-            raise ValueError("give exactly one of 'url' or 'launch'")
+        if sum(v is not None for v in (self.url, self.gateway, self.launch)) != 1:
+            raise ValueError("give exactly one of 'url', 'gateway' or 'launch'")
         if self.profile is not None and self.launch is not None:
-            raise ValueError("'profile' goes with 'url'; 'launch' already names the profile")
+            raise ValueError("'profile' goes with 'url' or 'gateway'; 'launch' already names "
+                             "the profile")
         return self
 
 

@@ -52,6 +52,8 @@ class Turn:
     # 0.5.23 `sglext`): what the model read and wrote, with no re-tokenisation.
     token_ids: tuple[int, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    # The worker a gateway says served this turn (None: sent to the server itself).
+    served_by: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +72,8 @@ class Record:
     # The server's configuration when it wrote this (engine, version, model, KV dtype, ...):
     # an id into the run manifest's `configurations`; None when it could not be verified.
     server_config: str | None = None
+    # The gateway the request went through (`server` is then the worker that served it).
+    gateway: str | None = None
 
     @property
     def finish_reason(self) -> str | None:

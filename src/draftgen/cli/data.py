@@ -138,6 +138,8 @@ def plan(
 def run(
     job_file: Annotated[Path, typer.Argument(help="job YAML")],
     server: Annotated[list[str] | None, typer.Option(help="server base URL (repeatable)")] = None,
+    gateway: Annotated[list[str] | None, typer.Option(
+        help="a gateway's base URL: send to its workers (repeatable)")] = None,
     out: Annotated[Path | None, typer.Option(help="output directory (default: the job's)")] = None,
     retry_failed: Annotated[bool, typer.Option(help="re-send samples recorded as failed")] = False,
     redo_changed: Annotated[bool, typer.Option(
@@ -164,6 +166,8 @@ def run(
     out_dir = out or job.resolve(job.output)
     for url in server or ():
         check_url_option(url, "--server")
+    for url in gateway or ():
+        check_url_option(url, "--gateway")
     if out_dir.exists():  # a file, or a run directory whose manifest is damaged, stops here
         check_run_dir(out_dir, planned=False)
     # A read-only place for the run directory is the machine's problem: exit 1, before a plan.
@@ -176,6 +180,7 @@ def run(
 
         args = [str(job_file.resolve()), "--grace", str(grace),
                 *(f for url in server or () for f in ("--server", url)),
+                *(f for url in gateway or () for f in ("--gateway", url)),
                 *(flag for on, flag in ((retry_failed, "--retry-failed"),
                                         (redo_changed, "--redo-changed"),
                                         (rerun_truncated, "--rerun-truncated")) if on),
@@ -193,7 +198,8 @@ def run(
     signal.signal(signal.SIGTERM, interrupt)
     if os.environ.get("DRAFTGEN_DETACHED"):
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # outlive the terminal that started it
-    opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()), retry_failed=retry_failed,
+    opts = RunOptions(out_dir=out_dir, servers=tuple(server or ()),
+                      gateways=tuple(gateway or ()), retry_failed=retry_failed,
                       redo_changed=redo_changed, rerun_truncated=rerun_truncated,
                       redo_configs=tuple(redo_config or ()),
                       progress=progress, grace_s=grace, metrics_port=metrics_port)

@@ -12,7 +12,8 @@ once at the end.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Self
 
@@ -30,6 +31,7 @@ from draftgen.client.sse import DONE, SSEDecoder
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import RequestError, RunError, ServerDown, Transient
 from draftgen.sample import Turn
+from draftgen.servers.gateway import ROUTED_WORKER_HEADER
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -120,8 +122,12 @@ class ChatClient:
         body: dict[str, Any],
         *,
         on_token: Callable[[int], None] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Completion:
         """Stream one chat completion from `server_url` (scheme, host, port).
+
+        `headers` go with this request only (a gateway's routing key); the worker a gateway
+        names in its answer is the completion's `served_by`.
 
         `on_token(n)` runs for every chunk that carries text, with the number of tokens the
         reply has so far; it must be cheap. The count comes from the usage that vLLM and
@@ -139,21 +145,25 @@ class ChatClient:
         clock = self._clock
         started = clock.monotonic()
         try:
-            response = await session.post(url, data=data, allow_redirects=False)
+            response = await session.post(url, data=data, allow_redirects=False,
+                                          headers=headers)
         except (aiohttp.ClientError, TimeoutError) as err:
             raise self._before_response_error(err, url) from err
         async with response:
+            served_by = response.headers.get(ROUTED_WORKER_HEADER)
             if not 200 <= response.status < 300:
                 raise classify_status(
                     response.status, await _read_error_body(response), secret=self._api_key
                 )
             if response.content_type == "application/json":
                 # A server that ignored `stream: true`; rare, so not worth a fast path.
-                return await self._from_json(response, started)
-            try:
-                return await self._read_stream(response, started, on_token)
-            except (aiohttp.ClientError, TimeoutError) as err:
-                raise self._mid_stream_error(err) from err
+                done = await self._from_json(response, started)
+            else:
+                try:
+                    done = await self._read_stream(response, started, on_token)
+                except (aiohttp.ClientError, TimeoutError) as err:
+                    raise self._mid_stream_error(err) from err
+        return dataclasses.replace(done, served_by=served_by.rstrip("/")) if served_by else done
 
     async def fetch_json(self, server_url: str, path: str, body: Any = None, *,
                          timeout_s: float) -> tuple[int, Any]:

@@ -58,6 +58,8 @@ class RunStatus:
     notes: list[str] = field(default_factory=list)
     # Done samples per server configuration id ("unverified" where none was recorded).
     configurations: dict[str, int] = field(default_factory=dict)
+    # Done samples per server that wrote them (a gateway's worker: the one that served it).
+    servers: dict[str, int] = field(default_factory=dict)
 
     def configuration_lines(self) -> list[str]:
         """One line per server configuration that wrote samples, with what it was."""
@@ -95,6 +97,9 @@ class RunStatus:
             lines.append("samples per server configuration (regenerate one: run JOB "
                          "--redo-config ID):")
             lines += self.configuration_lines()
+        if len(self.servers) > 1:
+            lines.append("samples per server: " + ", ".join(
+                f"{url} {n:,}" for url, n in sorted(self.servers.items(), key=lambda kv: -kv[1])))
         lines += [f"note: {note}" for note in self.notes]
         return lines + self.live_lines()
 
@@ -149,8 +154,10 @@ def read_status(out_dir: Path) -> RunStatus:
     failures: Counter[str] = Counter()
     flags: Counter[str] = Counter()
     configurations: Counter[str] = Counter()
+    servers: Counter[str] = Counter()
     for category, e in counted.done:
         configurations[e.configuration or UNVERIFIED] += 1
+        servers[e.server or "unknown"] += 1
         if e.flags:
             flags.update(e.flags)
             st.categories[category].flagged += bool(quality_flags(e.flags))
@@ -163,5 +170,6 @@ def read_status(out_dir: Path) -> RunStatus:
     st.failures = dict(failures)
     st.flags = dict(flags)
     st.configurations = dict(configurations)
+    st.servers = dict(servers)
     st.rejected = count_rejected(out_dir)
     return st

@@ -84,11 +84,19 @@ class RunMonitor:
 
     async def __aenter__(self) -> RunMonitor:
         self._session = open_session(self._api_key)
-        self._pollers = {
-            s.url: LoadPoller(self._session, s.url, clock=self._clock, log=self._log)
-            for s in self._pool.servers
-        }
+        for s in self._pool.servers:
+            self._poller(s)
         return self
+
+    def _poller(self, server: ServerState) -> LoadPoller:
+        """The server's load poller; a server that joined mid-run (a gateway's new worker)
+        gets one at its first poll."""
+        poller = self._pollers.get(server.url)
+        if poller is None:
+            assert self._session is not None
+            poller = self._pollers[server.url] = LoadPoller(
+                self._session, server.url, clock=self._clock, log=self._log)
+        return poller
 
     async def __aexit__(self, *exc: object) -> None:
         if self._session is not None:
@@ -97,7 +105,7 @@ class RunMonitor:
     async def poll(self) -> None:
         """Read every up server's load once and pass it on."""
         ups = self._pool.up_servers()
-        loads = await asyncio.gather(*(self._pollers[s.url].poll() for s in ups))
+        loads = await asyncio.gather(*(self._poller(s).poll() for s in ups))
         for server, load in zip(ups, loads, strict=True):
             if load is not None:
                 self.loads[server.url] = load
@@ -114,9 +122,15 @@ class RunMonitor:
         """Nothing listens at the server's port while its streams are silent: it was told
         to stop (SIGTERM closes the listener first, then waits for open streams to end).
         Close them and requeue their samples uncharged, so it can exit now, instead of
-        holding them until the hang watchdog."""
+        holding them until the hang watchdog.
+
+        A gateway's worker is gone as soon as its own port refuses: the gateway may be
+        answering its requests from another worker, so silence cannot be waited for."""
         silent_s = self._clock.monotonic() - server.last_progress
-        if server.in_flight and silent_s >= max(GONE_SILENT_S, 3 * self._interval_s):
+        if server.route is not None:
+            self._pool.abandon(server, f"its own port refuses ({self._pollers[server.url].failure})"
+                                       f"; {server.in_flight} request(s) back to the queue")
+        elif server.in_flight and silent_s >= max(GONE_SILENT_S, 3 * self._interval_s):
             self._pool.abandon(server, f"stopped listening ({self._pollers[server.url].failure})"
                                        f" with {server.in_flight} request(s) silent for "
                                        f"{silent_s:.1f}s")

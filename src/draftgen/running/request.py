@@ -40,9 +40,10 @@ from draftgen.store.writer import OutcomeWriter
 
 
 class _Bounce(Exception):
-    """A request cut off by a server outage: re-queue it, charge nothing."""
+    """A request cut off by a server outage, or answered by a gateway's worker the run has
+    not accepted: re-queue it, charge nothing."""
 
-    def __init__(self, err: ServerDown) -> None:
+    def __init__(self, err: RequestError) -> None:
         super().__init__(str(err))
         self.err = err
 
@@ -55,8 +56,10 @@ class Requester:
                  clock: Clock,
                  server_fields: Callable[[str], Mapping[str, Any]] = lambda _url: {},
                  server_config: Callable[[str], str | None] = lambda _url: None,
+                 served: Callable[[ServerState, str | None], bool] = lambda _s, _w: True,
                  context: int | None = None) -> None:
         self._client = client
+        self._served = served
         self._context = context
         self._shorten = job.over_context == "shorten"
         self._server_config = server_config
@@ -145,12 +148,17 @@ class Requester:
         async def send(body: dict[str, Any]) -> Any:
             flight.written = 0  # a retry streams the answer again from its start
             try:
-                return await self._client.chat(server.url, body, on_token=on_token)
+                done = await self._client.chat(server.send_url, body, on_token=on_token,
+                                               headers=server.headers)
             except ServerDown as e:
                 self._state.outages[sample.id] += 1
                 if self._state.outages[sample.id] <= self._max_outage_requeues:
                     raise _Bounce(e) from e
                 raise
+            if not self._served(server, done.served_by):
+                raise _Bounce(ServerDown(f"answered by {done.served_by}, not an accepted "
+                                         "worker"))
+            return done
 
         extra = self._server_fields(server.url)
         max_tokens: int | None = None  # a later turn's own, where the context shortens it
@@ -202,6 +210,9 @@ class Requester:
                 max_tokens = None
             followups.pop(0)
             flight.next_turn()
+        # Through a gateway, the worker that served the last turn (the one the answer names).
+        worker = turns[-1].served_by or server.url
         return Record(sample.id, sample.fingerprint, sample.category, sample.partition,
-                      sample.messages, sample.followups, tuple(turns), server.url, attempts,
-                      self._clock.time(), server_config=self._server_config(server.url))
+                      sample.messages, sample.followups, tuple(turns), worker, attempts,
+                      self._clock.time(), server_config=self._server_config(worker),
+                      gateway=server.route.gateway if server.route else None)

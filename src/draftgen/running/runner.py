@@ -22,23 +22,26 @@ from typing import Any
 
 from draftgen import __version__
 from draftgen.client import ChatClient
+from draftgen.client.http import open_session
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import JobError
 from draftgen.job import JobSpec, read_api_key
 from draftgen.planning.plan import Plan, build_plan
 from draftgen.planning.replan import escalate, prefix_order
 from draftgen.running.dispatch import Dispatcher
+from draftgen.running.gateways import GatewayWorkers
 from draftgen.running.metrics import MetricsExporter
 from draftgen.running.monitor import EventLog, RunMonitor
 from draftgen.running.progress import ProgressView
 from draftgen.running.request import Requester
+from draftgen.running.signals import install_signals, restore_signals
 from draftgen.running.startup import StartUp
 from draftgen.running.state import RunState
 from draftgen.running.stats import RunStats, Snapshot
 from draftgen.sample import Sample
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import Scheduler
-from draftgen.schedule.pool import ServerPool
+from draftgen.schedule.pool import Route, ServerPool, ServerState
 from draftgen.schedule.static import StaticScheduler
 from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
@@ -52,6 +55,7 @@ from draftgen.store.writer import OutcomeWriter
 class RunOptions:
     out_dir: Path
     servers: Sequence[str] = ()
+    gateways: Sequence[str] = ()  # `run --gateway URL`: in place of the job's servers
     retry_failed: bool = False
     redo_changed: bool = False
     rerun_truncated: bool = False
@@ -92,6 +96,11 @@ class Runner:
         self.stats = RunStats(clock)
         self._state = RunState()
         self._urls: list[str] = []
+        self._gateways: GatewayWorkers | None = None
+        self._routes: dict[str, Route] = {}  # gateway workers: how each is addressed
+        self._store: RunStore | None = None
+        self._manifest: dict[str, Any] = {}
+        self._say_event: Callable[[str], None] = lambda _msg: None
         self._rejected: set[str] = set()  # --redo-config
         self._context: dict[str, Any] = {}  # the context the plan was fitted to
         self.pool: ServerPool | None = None
@@ -119,7 +128,8 @@ class Runner:
             started = time.time()
             api_key = read_api_key(self.job) if todo else None
             self._servers = AttachedServers(self.job, list(self.opts.servers),
-                                            self.opts.out_dir / "servers", api_key=api_key)
+                                            self.opts.out_dir / "servers", api_key=api_key,
+                                            override_gateways=list(self.opts.gateways))
             events = EventLog(self.opts.out_dir)
             self.scheduler.set_log(events.add)
             try:
@@ -129,6 +139,7 @@ class Runner:
                         idle_timeout_s=self.job.client.idle_timeout_s,
                         connect_timeout_s=self.job.client.connect_timeout_s, clock=self.clock))
                     start = StartUp(self.job, client, self.clock, say=self._say(events))
+                    self._say_event = start.say
                     for warning in plan.warnings:
                         start.say(f"warning: {warning}")
                     saved = previous.get("context") or {}
@@ -137,13 +148,24 @@ class Runner:
                     fitted = await start.fit(plan, todo, saved=saved, done=done, quiet=True)
                     if fitted.todo:
                         await stack.enter_async_context(self._servers)
-                        self._urls = self._servers.urls
+                        self._urls = list(self._servers.urls)
+                        if self._servers.gateways:
+                            session = await stack.enter_async_context(
+                                open_session(api_key, timeout_s=self.job.client.probe_timeout_s))
+                            self._gateways = GatewayWorkers(
+                                list(self._servers.gateways), client=client, session=session,
+                                model=self.job.model, verify=self._verify_worker,
+                                clock=self.clock, log=start.say)
+                            self._routes = await self._gateways.discover()
+                            self._urls += list(self._routes)
                         if not self._urls:
                             raise JobError("servers: no server to send to; list servers in "
                                            "the job or pass --server URL")
                         if gave_up := await start.await_servers(self._urls):
                             self._stop(gave_up, exit_code=3)
                         for url in self._urls:
+                            if url in self._routes:
+                                continue  # verified when found
                             await self._servers.verify(url)
                             if self._servers.configuration_of(url) in rejected:
                                 raise JobError(
@@ -218,8 +240,10 @@ class Runner:
 
     async def _run(self, todo: list[Sample], client: ChatClient, events: EventLog) -> None:
         state = self._state
+        gateways = self._gateways
         pool = self.pool = ServerPool(
-            self._urls, clock=self.clock, probe=lambda url: self._probe(client, url, events),
+            self._urls, clock=self.clock, routes=self._routes,
+            probe=lambda server: self._probe(client, server, events),
             hang_timeout_s=self.job.client.hang_timeout_s,
             probe_timeout_s=self.job.client.probe_timeout_s,
             on_hang=lambda server: state.requeue_tasks(list(server.tasks)),
@@ -237,7 +261,7 @@ class Runner:
             api_key=self._servers.api_key,
         )
         loop = asyncio.get_running_loop()
-        signals = _install_signals(loop, self._on_signal)
+        signals = install_signals(loop, self._on_signal)
         view = ProgressView(self.stats.snapshot, live=self.opts.progress,
                             interval_s=self.job.progress_interval_s)
         helpers: list[asyncio.Task[None]] = []
@@ -248,11 +272,14 @@ class Runner:
                 helpers = [asyncio.create_task(c) for c in (
                     view.run(), self._watch_writer(writer), pool.watch(state.stop),
                     monitor.run(state.stop))]
+                if gateways is not None:
+                    helpers.append(asyncio.create_task(gateways.watch(pool, state.stop)))
                 requester = Requester(self.job, client=client, writer=writer, pool=pool,
                                       scheduler=self.scheduler, stats=self.stats, state=state,
                                       clock=self.clock,
                                       server_fields=self._servers.request_fields,
                                       server_config=self._servers.configuration_of,
+                                      served=gateways.served if gateways else lambda _s, _w: True,
                                       context=self._context.get("tokens"))
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(dispatcher.run(requester, tg), name="dispatch")
@@ -264,7 +291,7 @@ class Runner:
             for t in helpers:
                 t.cancel()
             await pool.close()
-            _restore_signals(loop, signals)
+            restore_signals(loop, signals)
             if self.metrics is not None:
                 self.metrics.stop()
 
@@ -285,12 +312,40 @@ class Runner:
         print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         return self.metrics
 
-    async def _probe(self, client: ChatClient, url: str, events: EventLog) -> None:
+    async def _verify_worker(self, gateway: str, url: str) -> bool:
+        """A gateway's worker, verified like a server: False when the policy refuses it."""
+        self._servers.worker_of(gateway, url)
+        try:
+            record = await self._servers.verify(url)
+        except QualityPolicyError as e:
+            self._say_event(f"{url}: {e}")
+            return False
+        if self._servers.configuration_of(url) in self._rejected:
+            self._say_event(f"{url} runs configuration {self._servers.configuration_of(url)}, "
+                            "which this run regenerates (--redo-config)")
+            return False
+        if record is not None:
+            self._save_configurations()
+        return True
+
+    def _save_configurations(self) -> None:
+        if self._store is not None:
+            self._manifest.setdefault("configurations", {}).update(
+                self._servers.configurations)
+            self._store.write_manifest(self._manifest)
+
+    async def _probe(self, client: ChatClient, server: ServerState, events: EventLog) -> None:
         """A down server is up again once it generates and has been verified again: it may
-        have been restarted with other settings, and it takes no request before that."""
-        body = {"model": self.job.model, "max_tokens": 1,
-                "messages": [{"role": "user", "content": "ping"}]}
-        await client.chat(url, body)
+        have been restarted with other settings, and it takes no request before that. A
+        gateway's worker is up once a routing key lands on it again (a restarted gateway
+        has forgotten every pin)."""
+        url = server.url
+        if server.route is not None and self._gateways is not None:
+            await self._gateways.reach(server)
+        else:
+            body = {"model": self.job.model, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "ping"}]}
+            await client.chat(url, body)
         try:
             record = await self._servers.verify(url)
         except QualityPolicyError as e:
@@ -309,9 +364,7 @@ class Runner:
             events.add(f"{url} came back with other settings: {settings}"
                        if record.get("changed_mid_run") else f"{url} answers: {settings}")
             # Records name the new configuration from now on: a crash must not lose it.
-            self._manifest.setdefault("configurations", {}).update(
-                self._servers.configurations)
-            self._store.write_manifest(self._manifest)
+            self._save_configurations()
 
     async def _watch_writer(self, writer: OutcomeWriter) -> None:
         await writer.failed.wait()
@@ -334,25 +387,6 @@ class Runner:
         self.stats.note = (f"stopping: no new requests; waiting up to {self.opts.grace_s:.0f}s "
                            "for those in flight (signal again to abort)")
         asyncio.get_running_loop().call_later(self.opts.grace_s, self._state.cancel_in_flight)
-
-
-def _install_signals(loop: asyncio.AbstractEventLoop, handler: Any) -> list[tuple[int, Any]]:
-    """Graceful-stop handlers for the dispatch phase; returns what to restore after it."""
-    installed: list[tuple[int, Any]] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous = signal.getsignal(sig)
-        try:
-            loop.add_signal_handler(sig, handler, sig)
-            installed.append((sig, previous))
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
-    return installed
-
-
-def _restore_signals(loop: asyncio.AbstractEventLoop, installed: list[tuple[int, Any]]) -> None:
-    for sig, previous in installed:
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, previous)
 
 
 async def run_job(job: JobSpec, opts: RunOptions, *, clock: Clock = REAL_CLOCK) -> RunSummary:

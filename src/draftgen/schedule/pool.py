@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from draftgen.clock import Clock
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where a server's requests go when not to its own URL: a gateway, with the headers
+    that address this worker there."""
+
+    gateway: str
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
 @dataclass(eq=False, slots=True)
 class ServerState:
-    url: str
+    url: str  # the server itself: what records name, where its load and settings are read
+    route: Route | None = None
     in_flight: int = 0
     down_since: float | None = None  # wall clock, for people
     down_at: float = 0.0  # monotonic, for give-up
@@ -31,18 +41,27 @@ class ServerState:
     def up(self) -> bool:
         return self.down_since is None
 
+    @property
+    def send_url(self) -> str:
+        return self.route.gateway if self.route else self.url
 
-Probe = Callable[[str], Awaitable[object]]
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.route.headers if self.route else {}
+
+
+Probe = Callable[[ServerState], Awaitable[object]]
 
 
 class ServerPool:
     def __init__(self, urls: list[str], *, clock: Clock, probe: Probe,
+                 routes: Mapping[str, Route] | None = None,
                  hang_timeout_s: float, probe_timeout_s: float = 30.0,
                  probe_interval_s: float = 1.0, probe_interval_max_s: float = 10.0,
                  on_hang: Callable[[ServerState], None] | None = None,
                  on_up: Callable[[ServerState], None] | None = None,
                  log: Callable[[str], None] | None = None) -> None:
-        self.servers = [ServerState(u) for u in urls]
+        self.servers = [ServerState(u, (routes or {}).get(u)) for u in urls]
         self._clock = clock
         self._probe = probe
         self._hang_timeout_s = hang_timeout_s
@@ -56,6 +75,25 @@ class ServerPool:
 
     def up_servers(self) -> list[ServerState]:
         return [s for s in self.servers if s.up]
+
+    def add(self, url: str, route: Route | None = None) -> ServerState:
+        """A server (a gateway's new worker) joins mid-run; it takes work from the next pick."""
+        server = ServerState(url, route)
+        self.servers.append(server)
+        self._log(f"{url} joins" + (f" through {route.gateway}" if route else ""))
+        return server
+
+    def remove(self, server: ServerState, reason: str) -> None:
+        """`server` leaves for good (its gateway no longer lists it): what it holds goes back
+        to the queue uncharged, and it is never picked again."""
+        if server not in self.servers:
+            return
+        self._log(f"{server.url} leaves: {reason}")
+        if server.in_flight and self._on_hang is not None:
+            self._on_hang(server)
+        self.servers.remove(server)
+        server.down_since = server.down_since or time.time()
+        server.down_reason = reason
 
     def assign(self, server: ServerState) -> None:
         """A request starts on `server`."""
@@ -99,11 +137,11 @@ class ServerPool:
     async def _probe_until_up(self, server: ServerState) -> None:
         # The first probe goes at once: a reset connection is often a false alarm.
         delay = 0.0
-        while not server.up:
+        while not server.up and server in self.servers:
             await self._clock.sleep(delay)
             try:
                 async with asyncio.timeout(self._probe_timeout_s):
-                    await self._probe(server.url)
+                    await self._probe(server)
             except Exception:  # any failure means "not yet"; the next probe decides
                 delay = min(max(delay * 2, self._probe_interval_s), self._probe_interval_max_s)
                 continue

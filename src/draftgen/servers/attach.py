@@ -46,7 +46,11 @@ class AttachedServers:
     state_dir: Path
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)
     api_key: str | None = field(default=None, repr=False)
+    override_gateways: list[str] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
+    # Gateways whose workers the run finds (running/gateways.py), with the profile their
+    # workers were started from, if the job names one.
+    gateways: dict[str, ServerProfile | None] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
     _profiles: dict[str, ServerProfile] = field(default_factory=dict)
     _identity: dict[str, Any] = field(default_factory=dict)
@@ -57,13 +61,18 @@ class AttachedServers:
     configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> AttachedServers:
-        if self.override_urls:
+        if self.override_urls or self.override_gateways:
             self.urls = [check_url(u, "--server").rstrip("/") for u in self.override_urls]
+            self.gateways = {check_url(u, "--gateway").rstrip("/"): None
+                             for u in self.override_gateways}
             return self
         try:
             for s in self.job.servers:
                 if s.launch is not None:
                     await self._launch(load_profile(self.job.resolve(s.launch)))
+                elif s.gateway is not None:
+                    self.gateways[check_url(s.gateway, "servers")] = (
+                        load_profile(self.job.resolve(s.profile)) if s.profile else None)
                 else:
                     assert s.url is not None
                     self.urls.append(check_url(s.url, "servers"))
@@ -105,6 +114,12 @@ class AttachedServers:
         self.log(verified.summary)
         self.urls.append(verified.handle.url)
         self._profiles[verified.handle.url] = profile
+
+    def worker_of(self, gateway: str, url: str) -> None:
+        """`url` is a worker behind `gateway`: the profile the job names for the gateway's
+        workers applies to it."""
+        if (profile := self.gateways.get(gateway)) is not None:
+            self._profiles[url] = profile
 
     def configuration_of(self, url: str) -> str | None:
         """The id of the configuration `url` was last verified with (None: unverified)."""

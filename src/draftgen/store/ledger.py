@@ -35,6 +35,8 @@ class LedgerEntry:
     flags: list[str] | None = None
     # The server configuration that wrote it (an id into the manifest's `configurations`).
     configuration: str | None = None
+    # The server that wrote it (through a gateway: the worker that served it).
+    server: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> LedgerEntry:
@@ -48,7 +50,8 @@ class LedgerEntry:
 
 # The ledger's keys, attribute by attribute: what every ledger ever written holds.
 KEYS: tuple[str, ...] = ("id", "fp", "status", "cat", "part", "shard", "off", "len", "otok",
-                         "finish", "trunc", "reason", "attempts", "t", "flags", "cfg")
+                         "finish", "trunc", "reason", "attempts", "t", "flags", "cfg",
+                         "srv")
 _KEYED: tuple[tuple[str, str], ...] = tuple(zip(KEYS, LedgerEntry.__slots__, strict=True))
 
 

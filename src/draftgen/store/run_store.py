@@ -56,6 +56,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
             output_tokens=record.output_tokens, finish=record.finish_reason,
             truncated=record.truncated, attempts=record.attempts, time=record.finished_at,
             flags=list(check_turns(record.turns)) or None, configuration=record.server_config,
+            server=record.server,
         )
     turns = d.get("turns") or []
     return LedgerEntry(
@@ -66,6 +67,7 @@ def entry_for(record: Record | dict[str, Any], spot: tuple[str, int, int]) -> Le
         truncated=any(t.get("finish_reason") == "length" for t in turns),
         attempts=int(d.get("attempts") or 0), time=float(d.get("finished_at") or 0.0),
         flags=list(check_turns(turns)) or None, configuration=d.get("server_config"),
+        server=d.get("server"),
     )
 
 

@@ -30,6 +30,7 @@ def failure_entry(f: Failure) -> LedgerEntry:
         id=f.id, fingerprint=f.fingerprint, status="failed", category=f.category,
         partition=f.partition,
         reason=f"{f.reason}: {f.message}"[:500], attempts=f.attempts, time=f.finished_at,
+        server=f.server,
     )
 
 

@@ -1,0 +1,178 @@
+"""The workers behind the job's gateways: found, verified one by one, addressed through the
+gateway by a routing key, and kept fresh while the run goes.
+
+A worker the gateway lists as ready is verified like any server (its own URL: engine,
+settings, KV dtype under the quality policy); one the policy refuses is never addressed and
+the run says so. Each accepted worker gets a routing key seen to land on it (a 1-token
+request per try: on a `--policy manual` gateway the first request with a key pins it to a
+worker). Every `WATCH_EVERY_S` the list is read again: a new worker joins the pool, one that
+is gone, unhealthy or draining leaves it (what it held goes back to the queue, uncharged).
+An answer served by another worker than its key's (a gateway restart forgets its pins; a
+retry lands elsewhere) names the worker that served it, and that key is learnt again; an
+answer from a worker the run has not accepted is not kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+
+from draftgen.client import ChatClient
+from draftgen.client.http import Session, get_text
+from draftgen.clock import Clock
+from draftgen.errors import DraftgenError
+from draftgen.schedule.pool import Route, ServerPool, ServerState
+from draftgen.servers.gateway import (
+    ROUTING_KEY_HEADER,
+    WORKERS_PATH,
+    GatewayError,
+    Worker,
+    parse_workers,
+)
+
+WATCH_EVERY_S = 2.0
+# Keys tried to find one that lands on a given worker (random pinning: with W workers each
+# try lands on it with probability 1/W).
+KEY_TRIES_PER_WORKER = 8
+
+# Verify a worker: True when the run may send to it (policy passed or unverifiable but
+# allowed), False when the policy refused it (the reason is logged by the verifier).
+Verify = Callable[[str, str], Awaitable[bool]]
+
+
+class GatewayWorkers:
+    def __init__(self, gateways: list[str], *, client: ChatClient, session: Session,
+                 model: str, verify: Verify, clock: Clock,
+                 log: Callable[[str], None]) -> None:
+        self.gateways = gateways
+        self._client = client
+        self._session = session
+        self._model = model
+        self._verify = verify
+        self._clock = clock
+        self._log = log
+        self.keys: dict[str, str] = {}  # worker URL -> a routing key pinned to it
+        self.accepted: dict[str, str] = {}  # worker URL -> its gateway
+        self.refused: set[str] = set()
+        self._relearn: set[str] = set()
+        self._tag = secrets.token_hex(3)
+        self._n = 0
+
+    async def read(self, gateway: str) -> list[Worker] | None:
+        """The gateway's workers now; None when it does not answer (it may be restarting)."""
+        text = await get_text(self._session, gateway + WORKERS_PATH)
+        if text is None:
+            return None
+        try:
+            return parse_workers(orjson.loads(text), gateway + WORKERS_PATH)
+        except orjson.JSONDecodeError:
+            raise GatewayError(f"{gateway}{WORKERS_PATH}: not JSON") from None
+
+    async def discover(self) -> dict[str, Route]:
+        """Every ready, accepted worker of every gateway with its route, before the run."""
+        routes: dict[str, Route] = {}
+        for gateway in self.gateways:
+            workers = await self.read(gateway)
+            if workers is None:
+                raise GatewayError(f"{gateway}{WORKERS_PATH}: the gateway does not answer")
+            for w in workers:
+                if (route := await self._admit(gateway, w)) is not None:
+                    routes[w.url] = route
+        return routes
+
+    async def _admit(self, gateway: str, worker: Worker) -> Route | None:
+        if not worker.ready or worker.url in self.refused:
+            return None
+        if worker.url not in self.accepted:
+            if not await self._verify(gateway, worker.url):
+                self.refused.add(worker.url)
+                self._log(f"{gateway}: worker {worker.url} refused by the quality policy; "
+                          "no request will be addressed to it")
+                return None
+            self.accepted[worker.url] = gateway
+        key = await self._key_for(gateway, worker.url)
+        if key is None:
+            self._log(f"{gateway}: no routing key landed on {worker.url} in "
+                      f"{KEY_TRIES_PER_WORKER * len(self.accepted)} tries (is the gateway "
+                      "started with --policy manual?); not sending to it")
+            return None
+        return Route(gateway, {ROUTING_KEY_HEADER: key})
+
+    async def _key_for(self, gateway: str, worker: str) -> str | None:
+        if worker in self.keys and worker not in self._relearn:
+            return self.keys[worker]
+        self._relearn.discard(worker)
+        for _ in range(KEY_TRIES_PER_WORKER * max(1, len(self.accepted))):
+            self._n += 1
+            key = f"draftgen-{self._tag}-{self._n}"
+            body: dict[str, Any] = {"model": self._model, "max_tokens": 1,
+                                    "messages": [{"role": "user", "content": "ping"}]}
+            done = await self._client.chat(gateway, body, headers={ROUTING_KEY_HEADER: key})
+            served = done.served_by
+            if served is None:
+                return None  # not a gateway that names its workers
+            if self.accepted.get(served) == gateway and (
+                    served not in self.keys or served == worker):
+                self.keys[served] = key
+            if served == worker:
+                return key
+        return None
+
+    def served(self, server: ServerState, served_by: str | None) -> bool:
+        """Whether an answer `server`'s request got may be kept: it was served by a worker
+        the run accepted. A different worker than the key's means the pin moved: learn it
+        again."""
+        if server.route is None or served_by is None or served_by == server.url:
+            return True
+        self._relearn.add(server.url)
+        if served_by not in self.accepted:
+            self._log(f"{server.route.gateway}: an answer for {server.url} came from "
+                      f"{served_by}, which this run has not accepted; not kept")
+            return False
+        return True
+
+    async def reach(self, server: ServerState) -> None:
+        """Learn a routing key that lands on `server` now (its gateway may have restarted
+        and forgotten every pin, or the worker come back): a GatewayError if none does."""
+        assert server.route is not None
+        gateway = server.route.gateway
+        if await get_text(self._session, server.url + "/health") is None:
+            raise GatewayError(f"{server.url} does not answer on its own port")
+        self._relearn.add(server.url)
+        key = await self._key_for(gateway, server.url)
+        if key is None:
+            raise GatewayError(f"{gateway}: no routing key lands on {server.url}")
+        server.route = Route(gateway, {ROUTING_KEY_HEADER: key})
+
+    async def watch(self, pool: ServerPool, stop: asyncio.Event) -> None:
+        """Keep `pool` to what the gateways list, every WATCH_EVERY_S, until `stop`."""
+        while not stop.is_set():
+            await self._clock.sleep(WATCH_EVERY_S)
+            for gateway in self.gateways:
+                try:
+                    await self._refresh(pool, gateway)
+                except DraftgenError as e:  # keep what we have, say why; try again next time
+                    self._log(f"{gateway}: worker list not read: {e}")
+
+    async def _refresh(self, pool: ServerPool, gateway: str) -> None:
+        workers = await self.read(gateway)
+        if workers is None:
+            return  # down or restarting: its workers' requests tell the pool
+        listed = {w.url: w for w in workers}
+        mine = {s.url: s for s in pool.servers
+                if s.route is not None and s.route.gateway == gateway}
+        for url, server in mine.items():
+            w = listed.get(url)
+            if w is None or not w.ready:
+                why = "no longer listed" if w is None else f"status {w.status or 'unhealthy'}"
+                pool.remove(server, f"{gateway}: {why}")
+                self.keys.pop(url, None)
+            elif url in self._relearn and server.up:
+                await self.reach(server)
+        for w in workers:
+            if w.url not in mine and (route := await self._admit(gateway, w)) is not None:
+                pool.add(w.url, route)
