@@ -5,6 +5,7 @@ lost, nothing stored twice, every record naming the worker that generated it.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import subprocess
@@ -18,11 +19,13 @@ from pathlib import Path
 import orjson
 import pytest
 from test_pipeline import PY, shard_records
-from test_reliability import assert_each_planned_id_once
+from test_reliability import assert_each_planned_id_once, ledger_lines, wait_for
 
 from draftgen.engine import LocalEngine
 from draftgen.servers.gateway import gateway_command, parse_workers
 from draftgen.servers.process import find_free_port
+from draftgen.testing.faultproxy import FaultProxy
+from draftgen.testing.faults import FaultMix
 
 N = 150
 
@@ -70,6 +73,32 @@ class Gateway:
             self.proc.terminate()
             self.proc.wait(timeout=30)
 
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+class Proxies:
+    """Fault proxies in front of engines, served from a thread of their own."""
+
+    def __init__(self, proxies: list[FaultProxy]) -> None:
+        self.proxies = proxies
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> Proxies:
+        self._thread.start()
+        for p in self.proxies:
+            asyncio.run_coroutine_threadsafe(p.start(), self._loop).result(timeout=30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.proxies:
+            asyncio.run_coroutine_threadsafe(p.close(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+
 
 def engine(model: Path, log: Path, core: int, blocks: int = 32) -> LocalEngine:
     return LocalEngine(model, num_gpu_blocks_override=blocks, max_model_len=1024, log_path=log,
@@ -83,11 +112,15 @@ def finished(e: LocalEngine) -> int:
                if line.startswith("vllm:request_success_total"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_workers(engine_installed: None, tiny_model_dir: Path,
-                tmp_path: Path) -> Iterator[tuple[LocalEngine, LocalEngine]]:
-    a = engine(tiny_model_dir, tmp_path / "a.log", core=0)
-    b = engine(tiny_model_dir, tmp_path / "b.log", core=1)
+                tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[tuple[LocalEngine, LocalEngine]]:
+    """Shared by this module's tests (an engine start is most of a test's time); the test
+    that kills one runs last."""
+    logs = tmp_path_factory.mktemp("workers")
+    a = engine(tiny_model_dir, logs / "a.log", core=0)
+    b = engine(tiny_model_dir, logs / "b.log", core=1)
     t = threading.Thread(target=a.start)
     t.start()
     try:
@@ -123,6 +156,52 @@ poll_interval_s: 0.5
     return job
 
 
+def test_a_gateway_restart_its_retries_and_a_refused_worker_lose_and_duplicate_nothing(
+    two_workers: tuple[LocalEngine, LocalEngine], tmp_path: Path
+) -> None:
+    a, b = two_workers
+    # Two more workers at the gateway, each a proxy in front of a real engine: one that says
+    # its KV cache is fp8 (the quality policy refuses it, on any CPU), and one that answers
+    # 40% of requests with a 503 before any byte, which the gateway retries elsewhere.
+    lying = FaultProxy(a.url, mix=FaultMix(rate=0.0), rewrites={
+        "/metrics": (b'cache_dtype="auto"', b'cache_dtype="fp8_e4m3"')})
+    flaky = FaultProxy(b.url, mix=FaultMix(rate=0.4, weights={"status_503": 1.0}), seed=5)
+    with Proxies([lying, flaky]):
+        lying_url, flaky_url = lying.url, flaky.url
+        gw = Gateway([a.url, b.url, lying_url, flaky_url], tmp_path / "gateway.log")
+        gw.start()
+        job = write_job(tmp_path, f"[{{gateway: {gw.url}}}]")
+        out = tmp_path / "out"
+        run = subprocess.Popen([*PY, "run", str(job)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: ledger_lines(out) >= N // 3)
+            gw.kill()  # the gateway dies mid-run and comes back on its port
+            time.sleep(3)
+            gw.start()
+            restarted_at = time.time()
+            stdout, stderr = run.communicate(timeout=600)
+        finally:
+            run.kill()
+            gw.stop()
+        retried = flaky.counts["status_503"]
+    assert run.returncode == 0, stderr
+    assert f"{N}/{N} done, 0 failed" in stdout, stdout + stderr
+    assert_each_planned_id_once(out, N)
+    recs = shard_records(out)
+    by_worker = collections.Counter(r["server"] for r in recs)
+    after = collections.Counter(r["server"] for r in recs if r["finished_at"] > restarted_at)
+    print(f"GATEWAY restart/retry: records per worker {dict(by_worker)}, after the restart "
+          f"{dict(after)}; 503s the gateway retried {retried}; flaky proxy {dict(flaky.counts)}")
+    assert retried > 0  # the gateway did retry, and no sample was stored twice for it
+    assert lying_url not in by_worker  # the refused worker's answers are never kept
+    assert set(by_worker) <= {a.url, b.url, flaky_url}
+    assert sum(after.values()) > 0  # the run went on after the restart
+    events = [orjson.loads(line)["msg"]
+              for line in (out / "events.jsonl").read_bytes().splitlines()]
+    assert any(lying_url in e and "refused by the quality policy" in e for e in events)
+
+
 def test_a_run_through_the_gateway_survives_a_worker_killed_and_one_added(
     two_workers: tuple[LocalEngine, LocalEngine], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -139,8 +218,14 @@ def test_a_run_through_the_gateway_survives_a_worker_killed_and_one_added(
     try:
         # The kill after a number of finished samples, never after a time (as in
         # test_multiserver): both workers have finished some by then.
+        # (The engines' counters include what earlier tests of this module sent.)
         deadline = time.monotonic() + 300
-        while not (finished(a) + finished(b) >= N // 4 and finished(a) and finished(b)):
+        base = {e.url: finished(e) for e in (a, b)}
+
+        def since(e: LocalEngine) -> int:
+            return finished(e) - base[e.url]
+
+        while not (since(a) + since(b) >= N // 4 and since(a) > 2 and since(b) > 2):
             assert run.poll() is None, f"the run ended before the kill: {run.stderr.read()}"
             assert time.monotonic() < deadline, "timed out waiting for the kill"
             time.sleep(0.2)

@@ -44,7 +44,7 @@ import signal
 import socket
 import struct
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -101,8 +101,12 @@ class FaultProxy:
         seed: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
+        rewrites: Mapping[str, tuple[bytes, bytes]] | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
+        # path -> (old, new): a GET of that path answers the engine's body with `old`
+        # replaced (a worker that says it runs other settings than it does).
+        self._rewrites = dict(rewrites or {})
         self.mix = mix
         self.counts: Counter[str] = Counter()
         self._picker = FaultPicker(mix, seed)
@@ -211,6 +215,10 @@ class FaultProxy:
                 if fault is not None and upstream.status == 200:
                     return await self._inject(request, upstream, fault)
                 self.counts["forwarded" if chat else "passthrough"] += 1
+                if (swap := self._rewrites.get(request.path)) is not None:
+                    body = (await upstream.read()).replace(*swap)
+                    return web.Response(status=upstream.status, body=body,
+                                        content_type=upstream.content_type)
                 return await _relay(request, upstream)
             except ConnectionError:
                 # The client hung up; leaving `async with` closes the upstream request too.
