@@ -123,6 +123,9 @@ class Server(_Strict):
     profile: str | None = None
     # Started before the run (under OUT/servers, on a free port) and stopped after it.
     launch: str | None = None
+    # Server profiles launched for the run as the workers of a gateway (the SGLang Model
+    # Gateway, started in front of them); all stopped after it.
+    workers: list[str] | None = Field(default=None, min_length=1)
 
     @field_validator("url", "gateway")
     @classmethod
@@ -135,11 +138,11 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _one_kind(self) -> Server:
-        if sum(v is not None for v in (self.url, self.gateway, self.launch)) != 1:
-            raise ValueError("give exactly one of 'url', 'gateway' or 'launch'")
-        if self.profile is not None and self.launch is not None:
-            raise ValueError("'profile' goes with 'url' or 'gateway'; 'launch' already names "
-                             "the profile")
+        if sum(v is not None for v in (self.url, self.gateway, self.launch, self.workers)) != 1:
+            raise ValueError("give exactly one of 'url', 'gateway', 'launch' or 'workers'")
+        if self.profile is not None and (self.launch or self.workers) is not None:
+            raise ValueError("'profile' goes with 'url' or 'gateway'; 'launch' and "
+                             "'workers' already name their profiles")
         return self
 
 

@@ -264,3 +264,25 @@ def test_a_run_through_the_gateway_survives_a_worker_killed_and_one_added(
                             text=True, check=True)
     per_worker = json.loads(status.stdout).get("servers")
     assert per_worker == dict(by_worker), status.stdout
+
+
+def test_the_example_job_launches_two_workers_and_a_gateway_and_stops_them(
+    engine_installed: None, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """examples/demo/job-gateway.yaml: two pinned CPU workers and a gateway in front, started
+    for the run and stopped after it, like one launched server."""
+    job = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job-gateway.yaml"
+    out = tmp_path / "out"
+    done = subprocess.run([*PY, "run", str(job), "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "96/96 done, 0 failed" in done.stdout, done.stdout + done.stderr[-3000:]
+    recs = shard_records(out)
+    workers = collections.Counter(r["server"] for r in recs)
+    gateways = {r["gateway"] for r in recs}
+    print(f"GATEWAY launched: records per worker {dict(workers)} through {gateways}")
+    assert len(workers) == 2 and min(workers.values()) > 0 and len(gateways) == 1
+    # Nothing left running: the workers' and the gateway's ports are closed.
+    for url in [*workers, *gateways]:
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url + "/health", timeout=2)

@@ -23,6 +23,7 @@ from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.servers.engines.info import ServerInfoError, configuration_id
 from draftgen.servers.engines.registry import engine_for
+from draftgen.servers.gateway import LaunchedGateway
 from draftgen.servers.info import fetch_server_info, manifest_record
 from draftgen.servers.launcher import launch, stop
 from draftgen.servers.policy import check_profile, check_running
@@ -55,6 +56,7 @@ class AttachedServers:
     _profiles: dict[str, ServerProfile] = field(default_factory=dict)
     _identity: dict[str, Any] = field(default_factory=dict)
     _launched: list[ServerProfile] = field(default_factory=list)
+    _gateways_started: list[LaunchedGateway] = field(default_factory=list)
     _engines: dict[str, str] = field(default_factory=dict)
     # Each server's configuration as last verified (id), and every configuration seen.
     _config_of: dict[str, str] = field(default_factory=dict)
@@ -69,7 +71,9 @@ class AttachedServers:
         try:
             for s in self.job.servers:
                 if s.launch is not None:
-                    await self._launch(load_profile(self.job.resolve(s.launch)))
+                    self.urls.append(await self._launch(load_profile(self.job.resolve(s.launch))))
+                elif s.workers is not None:
+                    await self._launch_gateway(s.workers)
                 elif s.gateway is not None:
                     self.gateways[check_url(s.gateway, "servers")] = (
                         load_profile(self.job.resolve(s.profile)) if s.profile else None)
@@ -86,7 +90,23 @@ class AttachedServers:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop_launched)
 
-    async def _launch(self, profile: ServerProfile) -> None:
+    async def _launch_gateway(self, worker_profiles: list[str]) -> None:
+        """Launch each worker profile, then a gateway in front of them (its log under the
+        run's servers folder); its workers are found through it like any gateway's."""
+        profiles = [load_profile(self.job.resolve(p)) for p in worker_profiles]
+        if len({p.engine for p in profiles}) > 1:
+            raise JobError(f"servers: workers {worker_profiles} mix engines "
+                           f"({', '.join(sorted({p.engine for p in profiles}))}); a gateway "
+                           "fronts one kind")
+        urls = [await self._launch(p) for p in profiles]
+        gateway = LaunchedGateway(urls, backend=profiles[0].engine,
+                                  log_path=self.state_dir / "gateway.log")
+        self._gateways_started.append(gateway)
+        self.log(f"launching a gateway in front of {len(urls)} workers on {gateway.url} …")
+        await asyncio.to_thread(gateway.start)
+        self.gateways[gateway.url] = None  # each worker keeps its own profile
+
+    async def _launch(self, profile: ServerProfile) -> str:
         check_profile(profile)
         # Under the run directory, on a free port: a run never collides with a server the
         # user started from the same profile by hand.
@@ -112,14 +132,14 @@ class AttachedServers:
                 await attempt
             raise
         self.log(verified.summary)
-        self.urls.append(verified.handle.url)
         self._profiles[verified.handle.url] = profile
+        return verified.handle.url
 
     def worker_of(self, gateway: str, url: str) -> None:
         """`url` is a worker behind `gateway`: the profile the job names for the gateway's
-        workers applies to it."""
+        workers applies to it (a worker the run launched keeps its own)."""
         if (profile := self.gateways.get(gateway)) is not None:
-            self._profiles[url] = profile
+            self._profiles.setdefault(url, profile)
 
     def configuration_of(self, url: str) -> str | None:
         """The id of the configuration `url` was last verified with (None: unverified)."""
@@ -132,6 +152,8 @@ class AttachedServers:
         return engine_for(engine).token_id_fields if engine else {}
 
     def stop_launched(self) -> None:
+        while self._gateways_started:
+            self._gateways_started.pop().stop()
         while self._launched:
             stop(self._launched.pop())
 

@@ -15,11 +15,19 @@ so routing keys are the way to address a worker.
 
 from __future__ import annotations
 
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from draftgen.errors import DraftgenError
+from draftgen.servers.process import find_free_port, log_tail
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
 ROUTED_WORKER_HEADER = "x-smg-routed-worker-id"
@@ -92,3 +100,54 @@ def gateway_command(python: str, *, host: str, port: int, metrics_port: int,
 
 def _str_or_none(v: Any) -> str | None:
     return v if isinstance(v, str) and v else None
+
+
+class LaunchedGateway:
+    """An `smg` draftgen starts in front of the workers it launched for a run, on free ports
+    of 127.0.0.1, its log under the run's servers folder; stopped with them."""
+
+    def __init__(self, worker_urls: Sequence[str], *, backend: str, log_path: Path,
+                 python: str = sys.executable) -> None:
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._argv = gateway_command(python, host="127.0.0.1", port=self.port,
+                                     metrics_port=find_free_port(), worker_urls=worker_urls,
+                                     backend=backend)
+        self._workers = len(worker_urls)
+        self._log_path = log_path
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start it and wait until it lists every worker as ready; a GatewayError with the
+        log's tail if it exits or does not get there in `timeout_s`."""
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(self._log_path, "ab") as log:
+                self._proc = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT)
+        except OSError as e:
+            raise GatewayError(f"cannot start the gateway ({self._argv[0]} -m smg): "
+                               f"{e.strerror}; install draftgen[gateway]") from None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise GatewayError(f"the gateway exited ({self._proc.returncode}): "
+                                   f"{log_tail(self._log_path)}")
+            with contextlib.suppress(OSError, ValueError, GatewayError):
+                with urllib.request.urlopen(self.url + WORKERS_PATH, timeout=5) as r:
+                    listed = parse_workers(json.load(r), self.url)
+                if sum(w.ready for w in listed) >= self._workers:
+                    return
+            time.sleep(0.5)
+        self.stop()
+        raise GatewayError(f"the gateway did not list its {self._workers} workers as ready "
+                           f"within {timeout_s:g}s: {log_tail(self._log_path)}")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -1,3 +1,4 @@
+# long: the proxy, its fault kinds on the wire and its command line are one tool, read together
 """A fault-injecting HTTP proxy in front of an OpenAI-compatible engine, for reliability tests.
 
     client (draftgen) ──HTTP──> FaultProxy ──HTTP──> engine (vLLM, SGLang)
@@ -22,6 +23,9 @@ gets its fault instead of slipping through whole. When a mid-stream fault fires,
 upstream response is closed, so the engine aborts that generation as it would for a client
 that went away. A response that is not an event stream (`stream: false`) gets a mid-stream
 fault after half its body.
+
+`rewrites` (path -> old, new bytes) answers a GET of that path with the engine's body
+changed: a worker that says it runs other settings than it does (the gateway tests' fp8).
 
 `counts` says what happened, one entry per request: the fault kind injected, "forwarded"
 for a chat request sent through clean, "passthrough" for any other request (health,

@@ -52,9 +52,16 @@ def test_an_answer_that_is_not_a_worker_list_names_what_is_wrong(payload: object
 def test_a_server_entry_is_exactly_one_of_url_gateway_or_launch() -> None:
     assert Server(gateway="http://gw:30000/").gateway == "http://gw:30000"
     assert Server(gateway="http://gw:1", profile="p.yaml").profile == "p.yaml"
+    assert Server(workers=["a.yaml", "b.yaml"]).workers == ["a.yaml", "b.yaml"]
     for bad in ({"gateway": "http://gw:1", "url": "http://s:1"},
-                {"gateway": "http://gw:1", "launch": "p.yaml"}, {}):
-        with pytest.raises(ValidationError, match="exactly one of 'url', 'gateway' or 'launch'"):
+                {"gateway": "http://gw:1", "launch": "p.yaml"},
+                {"workers": ["a.yaml"], "launch": "p.yaml"}, {}):
+        with pytest.raises(ValidationError, match="exactly one of 'url', 'gateway', 'launch' "
+                                                  "or 'workers'"):
             Server(**bad)
+    with pytest.raises(ValidationError, match="'workers' already name their profiles"):
+        Server(workers=["a.yaml"], profile="p.yaml")
+    with pytest.raises(ValidationError, match="at least 1 item"):
+        Server(workers=[])
     with pytest.raises(ValidationError, match="must start with http"):
         Server(gateway="gw:1")
