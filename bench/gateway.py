@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.engine import LocalEngine, build_tiny_model
+from draftgen.engine import LocalEngine
 from draftgen.job import load_job
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.servers.gateway import gateway_command, parse_workers
@@ -43,7 +42,7 @@ from draftgen.servers.process import find_free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from multiserver import preemptions, records  # noqa: E402
+from multiserver import preemptions, records, start_two  # noqa: E402
 
 SHAPES = {
     "random": ('{temperature: 0.8, extra_body: {logit_bias: {"2": 2.5}}}', 512),
@@ -121,17 +120,7 @@ def main() -> None:
     ap.add_argument("--small-blocks", type=int, default=16)
     ap.add_argument("--big-blocks", type=int, default=64)
     args = ap.parse_args()
-    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
-    small = LocalEngine(model, num_gpu_blocks_override=args.small_blocks, max_model_len=1024,
-                        log_path=ROOT / ".cache" / "bench-gw-small.log",
-                        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    big = LocalEngine(model, num_gpu_blocks_override=args.big_blocks, max_model_len=1024,
-                      log_path=ROOT / ".cache" / "bench-gw-big.log",
-                      extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
-    starter = threading.Thread(target=small.start)
-    starter.start()
-    big.start()
-    starter.join()
+    small, big = start_two(args.small_blocks, args.big_blocks, "bench-gw")
     gateway, gw = start_gateway([small.url, big.url], ROOT / ".cache" / "bench-gw.log")
     ways = {"direct": f"[{small.url}, {big.url}]", "gateway": f"[{{gateway: {gw}}}]"}
     try:

@@ -156,23 +156,29 @@ async def kill_and_return(small: LocalEngine, big: LocalEngine, n: int) -> Kill:
                 any(small.url in e and "up again" in e for e in events))
 
 
+def start_two(small_blocks: int, big_blocks: int, name: str) -> tuple[LocalEngine, LocalEngine]:
+    """A small and a big engine serving the tiny model, each pinned to its own core (two
+    busy engines on one core starve each other), started side by side."""
+    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
+    small, big = (LocalEngine(model, num_gpu_blocks_override=blocks, max_model_len=1024,
+                              log_path=ROOT / ".cache" / f"{name}-{size}.log",
+                              extra_env={"VLLM_CPU_OMP_THREADS_BIND": core})
+                  for blocks, size, core in ((small_blocks, "small", "0"),
+                                             (big_blocks, "big", "1")))
+    starter = threading.Thread(target=small.start)
+    starter.start()
+    big.start()
+    starter.join()
+    return small, big
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=320)
     ap.add_argument("--small-blocks", type=int, default=16)
     ap.add_argument("--big-blocks", type=int, default=64)
     args = ap.parse_args()
-    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
-    small = LocalEngine(model, num_gpu_blocks_override=args.small_blocks, max_model_len=1024,
-                        log_path=ROOT / ".cache" / "bench-multi-small.log",
-                        extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
-    big = LocalEngine(model, num_gpu_blocks_override=args.big_blocks, max_model_len=1024,
-                      log_path=ROOT / ".cache" / "bench-multi-big.log",
-                      extra_env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
-    starter = threading.Thread(target=small.start)
-    starter.start()
-    big.start()
-    starter.join()
+    small, big = start_two(args.small_blocks, args.big_blocks, "bench-multi")
     names = {small.url: f"small ({args.small_blocks * 128:,} KV)",
              big.url: f"big ({args.big_blocks * 128:,} KV)"}
     cap = {small.url: args.small_blocks, big.url: args.big_blocks}
