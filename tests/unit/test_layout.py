@@ -85,3 +85,24 @@ def test_the_engine_literal_rule_sees_code_not_prose(tmp_path: Path, code: str,
                                                      flagged: bool) -> None:
     (tmp_path / "m.py").write_text(code + "\n")
     assert bool(engine_literals(tmp_path, {"sglang", "vllm"})) == flagged
+
+
+def shared_test_basenames(root: Path) -> list[str]:
+    """Test modules that share a file name: pytest imports test modules by basename (no
+    packages under tests/), so the second one fails to collect, and the whole run stops."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(root)))
+    return [", ".join(paths) for paths in seen.values() if len(paths) > 1]
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    assert shared_test_basenames(Path(__file__).resolve().parents[1]) == []
+
+
+def test_the_name_rule_sees_two_modules_of_one_name(tmp_path: Path) -> None:
+    for d in ("unit", "integration"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "test_same.py").write_text("")
+    (tmp_path / "unit" / "test_other.py").write_text("")
+    assert shared_test_basenames(tmp_path) == ["integration/test_same.py, unit/test_same.py"]
