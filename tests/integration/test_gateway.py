@@ -98,6 +98,7 @@ class Proxies:
             asyncio.run_coroutine_threadsafe(p.close(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=30)
+        self._loop.close()  # (a loop left to the collector warns in a later test)
 
 
 def engine(model: Path, log: Path, core: int, blocks: int = 32) -> LocalEngine:
