@@ -182,7 +182,8 @@ def test_sigkill_at_ten_random_moments(local_engine: LocalEngine, tmp_path: Path
 def test_sigint_finishes_in_flight_and_a_second_signal_aborts(
     local_engine: LocalEngine, tmp_path: Path
 ) -> None:
-    job = job_file(tmp_path, local_engine.url, n=60, max_tokens=1024, conc=4)
+    # 24 samples: a wave before the graceful stop, one before the abort, the rest after.
+    job = job_file(tmp_path, local_engine.url, n=24, max_tokens=1024, conc=4)
     out = tmp_path / "out"
     graceful = subprocess.Popen([*PY, "run", str(job)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -205,8 +206,8 @@ def test_sigint_finishes_in_flight_and_a_second_signal_aborts(
     assert abort.returncode == 0 and "aborted" in stdout
     assert took < 10  # in-flight answers of 1,024 tokens were cut, not awaited
     final = draftgen("run", str(job))
-    assert "60/60 done, 0 failed" in final.stdout
-    assert_each_planned_id_once(out, 60)
+    assert "24/24 done, 0 failed" in final.stdout
+    assert_each_planned_id_once(out, 24)
     print(f"RELIABILITY signals: graceful stop + abort ({took:.1f}s); {final.stdout.strip()}")
 
 
