@@ -38,6 +38,9 @@ WATCH_EVERY_S = 2.0
 # Keys tried to find one that lands on a given worker (random pinning: with W workers each
 # try lands on it with probability 1/W).
 KEY_TRIES_PER_WORKER = 8
+# A worker no key landed on is tried again this long after (a gateway whose keys do not
+# stick would otherwise get 8 pings a worker every WATCH_EVERY_S).
+KEY_RETRY_S = 60.0
 
 # Verify a worker: True when the run may send to it (policy passed or unverifiable but
 # allowed), False when the policy refused it (the reason is logged by the verifier).
@@ -59,6 +62,7 @@ class GatewayWorkers:
         self.accepted: dict[str, str] = {}  # worker URL -> its gateway
         self.refused: set[str] = set()
         self._relearn: set[str] = set()
+        self._keyless_until: dict[str, float] = {}  # worker URL -> monotonic time
         self._tag = secrets.token_hex(3)
         self._n = 0
 
@@ -94,11 +98,15 @@ class GatewayWorkers:
                           "no request will be addressed to it")
                 return None
             self.accepted[worker.url] = gateway
+        if self._clock.monotonic() < self._keyless_until.get(worker.url, float("-inf")):
+            return None
         key = await self._key_for(gateway, worker.url)
         if key is None:
+            self._keyless_until[worker.url] = self._clock.monotonic() + KEY_RETRY_S
             self._log(f"{gateway}: no routing key landed on {worker.url} in "
                       f"{KEY_TRIES_PER_WORKER * len(self.accepted)} tries (is the gateway "
-                      "started with --policy manual?); not sending to it")
+                      f"started with --policy manual?); not sending to it, trying again in "
+                      f"{KEY_RETRY_S:.0f}s")
             return None
         return Route(gateway, {ROUTING_KEY_HEADER: key})
 

@@ -90,13 +90,22 @@ def test_a_gateway_that_names_no_worker_gives_no_route() -> None:
     gw = ScriptedGateway([A])
 
     async def anonymous(url: str, body: dict[str, Any], **kw: Any) -> Turn:
+        gw.sent += 1
         return Turn("x", None, "length", 1, 1, 0.0, 0.0)
 
     gw.chat = anonymous  # type: ignore[method-assign]
     log: list[str] = []
-    routes = asyncio.run(gateway_workers(gw, log=log).discover())
+    g = gateway_workers(gw, log=log)
+    routes = asyncio.run(g.discover())
     assert routes == {}
     assert any("no routing key landed" in m for m in log)
+    # Not tried again at every read of the list: only after KEY_RETRY_S.
+    sent = gw.sent
+    assert asyncio.run(g._admit(GW, Worker(A, A, True, "ready"))) is None
+    assert gw.sent == sent
+    g._clock.advance(gateways.KEY_RETRY_S)  # type: ignore[attr-defined]
+    asyncio.run(g._admit(GW, Worker(A, A, True, "ready")))
+    assert gw.sent > sent
 
 
 def test_the_pool_follows_the_list_a_worker_added_joins_one_gone_leaves() -> None:
