@@ -24,11 +24,9 @@ import argparse
 import asyncio
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -37,8 +35,7 @@ import orjson
 from draftgen.engine import LocalEngine
 from draftgen.job import load_job
 from draftgen.running.runner import RunOptions, run_job
-from draftgen.servers.gateway import gateway_command, parse_workers
-from draftgen.servers.process import find_free_port
+from draftgen.servers.gateway import LaunchedGateway
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -71,27 +68,6 @@ poll_interval_s: 1.0
     return job
 
 
-def start_gateway(workers: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = find_free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = gateway_command(sys.executable, host="127.0.0.1", port=port,
-                           metrics_port=find_free_port(), worker_urls=workers,
-                           backend="vllm")
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/workers", timeout=5) as r:
-                if sum(w.ready for w in parse_workers(orjson.loads(r.read()), url)) == 2:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"gateway not ready; see {log}")
-
-
 async def one(engines: list[LocalEngine], servers: str, n: int,
               shape: str) -> tuple[float, Counter[str], float]:
     """(wall s, output tokens per worker, preemptions on both engines)."""
@@ -121,8 +97,10 @@ def main() -> None:
     ap.add_argument("--big-blocks", type=int, default=64)
     args = ap.parse_args()
     small, big = start_two(args.small_blocks, args.big_blocks, "bench-gw")
-    gateway, gw = start_gateway([small.url, big.url], ROOT / ".cache" / "bench-gw.log")
-    ways = {"direct": f"[{small.url}, {big.url}]", "gateway": f"[{{gateway: {gw}}}]"}
+    gateway = LaunchedGateway([small.url, big.url], backend="vllm",
+                              log_path=ROOT / ".cache" / "bench-gw.log")
+    gateway.start()
+    ways = {"direct": f"[{small.url}, {big.url}]", "gateway": f"[{{gateway: {gateway.url}}}]"}
     try:
         print(f"gateway bench — {platform.machine()}, Python {platform.python_version()}, "
               f"`python bench/gateway.py {' '.join(sys.argv[1:])}`; workers: small "
@@ -149,8 +127,7 @@ def main() -> None:
             print(f"{shape}: throughput ratio median {statistics.median(rs):.3f} "
                   f"(min {min(rs):.3f}, {len(rs)} pairs)")
     finally:
-        gateway.terminate()
-        gateway.wait(timeout=30)
+        gateway.stop()
         small.stop()
         big.stop()
 
