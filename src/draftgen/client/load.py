@@ -30,11 +30,11 @@ from draftgen.clock import Clock
 from draftgen.servers.engines.base import Engine
 from draftgen.servers.engines.load import (
     COUNTERS,
-    FIELDS,
     Reading,
     ServerLoad,
     parse_json,
     put_usage,
+    server_load,
 )
 from draftgen.servers.engines.registry import ENGINES, read_metrics_body
 
@@ -105,28 +105,11 @@ class LoadPoller:
             self.refused = isinstance(e.__cause__, aiohttp.ClientConnectorError)
             return None
         self.failure, self.refused = None, False
-        reading, source = found
-        missing = tuple(f for f in FIELDS if f not in reading)
-        if missing and missing not in self._logged:
-            self._logged.add(missing)
-            self._say(f"{self.url}: load from {source} lacks {', '.join(missing)}")
-
-        def whole(f: str) -> int | None:
-            v = reading.get(f)
-            return None if v is None else round(v)
-
-        return ServerLoad(
-            url=self.url, at=at,
-            kv_capacity_tokens=whole("kv_capacity_tokens"),
-            kv_used_tokens=whole("kv_used_tokens"),
-            kv_usage=reading.get("kv_usage"),
-            running=whole("running"), waiting=whole("waiting"),
-            preemptions_total=whole("preemptions_total"),
-            generation_tokens_total=whole("generation_tokens_total"),
-            engine_steps_total=whole("engine_steps_total"),
-            source=source, missing=missing, kv_block_tokens=whole("kv_block_tokens"),
-            max_running=whole("max_running"),
-        )
+        load = server_load(self.url, at, *found)
+        if load.missing and load.missing not in self._logged:
+            self._logged.add(load.missing)
+            self._say(f"{self.url}: load from {load.source} lacks {', '.join(load.missing)}")
+        return load
 
     def _say(self, message: str) -> None:
         if self._log is not None:

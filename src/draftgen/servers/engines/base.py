@@ -143,6 +143,14 @@ class Engine(ABC):
     ) -> ServerInfo | None:
         """The running server's settings, or None when `url` is not this engine."""
 
+    def gateway_info(self, url: str, metrics: str, labels: Mapping[str, str], *,
+                     profile: ServerProfile | None = None) -> ServerInfo | None:
+        """The settings of a worker reached only through a gateway, from its Prometheus page
+        as the gateway relays it (`metrics`) and the labels the gateway lists it with; None
+        when they do not say (this engine keeps its settings elsewhere) or it is not this
+        engine."""
+        return None
+
     def read_loads(self, body: object) -> Reading | None:
         """The load fields of a `loads_path` answer, or None when it is not one."""
         return None

@@ -110,16 +110,7 @@ def read_prometheus(text: str, tables: Sequence[MetricNames],
     Only the lines of the metrics we use reach the parser: a vLLM page is ~600 lines of
     histograms, and this runs every second per server.
     """
-    kept = []
-    for line in text.splitlines():
-        if line and line[0] != "#":
-            end = len(line)
-            for stop in ("{", " "):
-                i = line.find(stop)
-                if i != -1:
-                    end = min(end, i)
-            if line[:end] in wanted:
-                kept.append(line)
+    kept = [line for line in text.splitlines() if sample_name(line) in wanted]
     info_names = {t.capacity_info for t in tables if t.capacity_info}
     # name → series → value; copies of one series (TP/PP ranks) collapse by max, and the
     # series are summed (replicas; SGLang 0.5.23 counts streamed and plain requests apart).
@@ -160,6 +151,63 @@ def read_prometheus(text: str, tables: Sequence[MetricNames],
             reading["kv_used_tokens"] = sum(u * c for u, c in matched)
     put_usage(reading, weighted_usage(usage, capacity))
     return reading, table
+
+
+def sample_name(line: str) -> str:
+    """The name a Prometheus sample line starts with; "" for a comment or a blank line."""
+    if not line or line[0] == "#":
+        return ""
+    end = len(line)
+    for stop in ("{", " "):
+        i = line.find(stop)
+        if i != -1:
+            end = min(end, i)
+    return line[:end]
+
+
+def split_by_label(text: str, label: str,
+                   wanted: frozenset[str] | None = None) -> dict[str, str]:
+    """The sample lines of a Prometheus page grouped by the value of one `label` (a
+    gateway's `worker_addr`): each group a page of its own, as `read_prometheus` reads one.
+    Lines without the label are left out, and so are the samples not in `wanted` (if
+    given). The label stays on each line: to the readers it is one more copy label."""
+    key = f'{label}="'
+    parts: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        name = sample_name(line)
+        if not name or (wanted is not None and name not in wanted):
+            continue
+        i = line.find(key, len(name))
+        if i == -1 or line[i - 1] not in "{,":
+            continue
+        start = i + len(key)
+        end = line.find('"', start)
+        if end != -1:
+            parts.setdefault(line[start:end], []).append(line)
+    return {value: "\n".join(lines) + "\n" for value, lines in parts.items()}
+
+
+def server_load(url: str, at: float, reading: Reading, source: str) -> ServerLoad:
+    """A reading as a `ServerLoad`: counts rounded to whole numbers, the reading fields it
+    lacks named in `missing`."""
+
+    def whole(f: str) -> int | None:
+        v = reading.get(f)
+        return None if v is None else round(v)
+
+    return ServerLoad(
+        url=url, at=at,
+        kv_capacity_tokens=whole("kv_capacity_tokens"),
+        kv_used_tokens=whole("kv_used_tokens"),
+        kv_usage=reading.get("kv_usage"),
+        running=whole("running"), waiting=whole("waiting"),
+        preemptions_total=whole("preemptions_total"),
+        generation_tokens_total=whole("generation_tokens_total"),
+        engine_steps_total=whole("engine_steps_total"),
+        source=source, missing=tuple(f for f in FIELDS if f not in reading),
+        kv_block_tokens=whole("kv_block_tokens"),
+        max_running=whole("max_running"),
+    )
 
 
 def _cache_info_tokens(labels: Mapping[str, str]) -> float | None:

@@ -49,6 +49,11 @@ def metric_tables() -> Sequence[MetricNames]:
     return _metric_tables()[0]
 
 
+def metric_names() -> frozenset[str]:
+    """Every sample name a load reading uses, whichever engine."""
+    return _metric_tables()[1]
+
+
 def read_metrics(text: str) -> tuple[Reading, Engine | None]:
     """The load fields of a Prometheus page, and the engine whose names it uses."""
     tables, wanted = _metric_tables()

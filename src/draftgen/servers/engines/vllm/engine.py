@@ -18,7 +18,7 @@ from draftgen.servers.engines.info import ServerInfo
 from draftgen.servers.engines.install import EngineInstall, InstallSources
 from draftgen.servers.engines.scoring import Http, ScoringServer
 from draftgen.servers.engines.vllm import levers, load, local
-from draftgen.servers.engines.vllm.info import parse_info
+from draftgen.servers.engines.vllm.info import parse_gateway_info, parse_info
 from draftgen.servers.engines.vllm.scoring import VllmServer
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class VLLM(Engine):
             models=models,
             profile=profile,
         )
+
+    def gateway_info(self, url: str, metrics: str, labels: Mapping[str, str], *,
+                     profile: ServerProfile | None = None) -> ServerInfo | None:
+        return parse_gateway_info(url, metrics, labels, profile=profile)
 
     def cpu_server(self, python: str, model_dir: Path, *, served_name: str, port: int,
                    max_model_len: int, num_blocks: int | None, kv_cache_gib: int

@@ -103,3 +103,18 @@ def parse_info(
         seeds_honoured=True,
         args={k: first[k] for k in RECORDED_LABELS if k in first},
     )
+
+
+def parse_gateway_info(url: str, metrics: str, labels: Mapping[str, str], *,
+                       profile: ServerProfile | None = None) -> ServerInfo | None:
+    """A worker's settings from its `/metrics` as a gateway relays them and the labels the
+    gateway lists it with: smg 1.13.0 lists a vLLM worker with the `version`,
+    `served_model_name`, `model_path` and `max_model_len` it read from the worker
+    (tests/unit/servers/data/smg-1.13.0-workers.json), in place of its `/version` and
+    `/v1/models`. None without a `vllm:cache_config_info` to read."""
+    if not cache_config_labels(metrics):
+        return None
+    model = {"id": labels.get("served_model_name"), "root": labels.get("model_path"),
+             "max_model_len": as_int(labels.get("max_model_len"))}
+    return parse_info(url, metrics, version=labels.get("version"), models={"data": [model]},
+                      profile=profile)
