@@ -8,6 +8,7 @@ returns the exit code.
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 import sys
 from collections.abc import Callable
@@ -18,6 +19,21 @@ from draftgen.errors import JobError
 from draftgen.servers.engines.info import ServerInfoError
 from draftgen.servers.engines.memory import MemoryModelError
 from draftgen.servers.engines.registry import engine_for
+from draftgen.servers.gateway import GatewayError, gateway_command
+from draftgen.servers.gateway_launch import (
+    GatewayRecord,
+    gateway_alive,
+    launch_gateway,
+    read_gateway,
+    restart_gateway,
+    stop_gateway,
+    workers_alive,
+)
+from draftgen.servers.gateway_profile import (
+    GatewayProfile,
+    gateway_profile_hash,
+    load_any_profile,
+)
 from draftgen.servers.launcher import (
     LaunchError,
     Verified,
@@ -31,7 +47,7 @@ from draftgen.servers.launcher import restart as restart_server
 from draftgen.servers.launcher import stop as stop_server
 from draftgen.servers.policy import QualityPolicyError, check_profile
 from draftgen.servers.prediction import memory_facts, predict_profile
-from draftgen.servers.profile import ServerProfile, default_state_dir, load_profile, profile_hash
+from draftgen.servers.profile import ServerProfile, default_state_dir, profile_hash
 from draftgen.servers.summary import capacity_change
 
 _PLAIN_WAIT_EVERY_S = 15.0
@@ -53,14 +69,21 @@ def serve(
         if stop:
             return _stop(profile, out)
         assert profile is not None, "cli/servers.py asks for a profile"
-        loaded = load_profile(profile)
-        stamp = check_profile(loaded)
-        if stamp:
-            print(
-                f"warning: lossy KV cache {stamp['kv_cache_dtype']} allowed by the profile's "
-                "quality override; every run manifest using this server records it",
-                file=err,
-            )
+        loaded = load_any_profile(profile)
+        gateway = loaded if isinstance(loaded, GatewayProfile) else None
+        for server in gateway.workers if gateway is not None else [loaded]:
+            assert isinstance(server, ServerProfile)
+            stamp = check_profile(server)
+            if stamp:
+                print(
+                    f"warning: {server.server_name}: lossy KV cache {stamp['kv_cache_dtype']} "
+                    "allowed by the profile's quality override; every run manifest using this "
+                    "server records it",
+                    file=err,
+                )
+        if gateway is not None:
+            return _serve_gateway(gateway, dry_run, restart, timeout_s, out, err)
+        assert isinstance(loaded, ServerProfile)
         if dry_run:
             return _dry_run(loaded, out)
         if restart:
@@ -69,7 +92,7 @@ def serve(
     except (JobError, QualityPolicyError) as e:
         print(e, file=err)
         return 2
-    except (LaunchError, ServerInfoError) as e:
+    except (LaunchError, ServerInfoError, GatewayError) as e:
         print(e, file=err)
         return 1
 
@@ -143,9 +166,16 @@ def _stop(target: Path | None, out: TextIO) -> int:
     elif target.is_dir():
         folders = [target]
     else:
-        folders = [load_profile(target).state_path]
+        folders = [load_any_profile(target).state_path]
     stopped = 0
     for folder in folders:
+        if read_gateway(folder) is not None:
+            record = stop_gateway(folder)
+            if record is not None:
+                print(f"stopped {record.name}: the gateway (pid {record.pid}, {record.url}) and "
+                      f"{len(record.workers)} workers", file=out)
+                stopped += 1
+            continue
         handle = read_handle(folder)
         if handle is not None and stop_server(folder):
             print(f"stopped {handle.name} (pid {handle.pid}, {handle.url})", file=out)
@@ -156,9 +186,9 @@ def _stop(target: Path | None, out: TextIO) -> int:
     return 0
 
 
-def _report(verified: Verified, out: TextIO, note: str = "") -> None:
+def _report(verified: Verified, out: TextIO, note: str = "", prefix: str = "") -> None:
     handle, info = verified.handle, verified.info
-    print(verified.summary, file=out)
+    print(f"{prefix}{verified.summary}", file=out)
     print(
         f"  {info.engine} {info.version or '?'} at {handle.url}, model {info.model}, "
         f"pid {handle.pid}{f' ({note})' if note else ''}",
@@ -166,6 +196,82 @@ def _report(verified: Verified, out: TextIO, note: str = "") -> None:
     )
     print(f"  KV dtype: {info.kv_dtype_note}", file=out)
     print(f"  log {handle.log_path}; summary {handle.dir / 'summary.json'}", file=out)
+
+
+def _serve_gateway(profile: GatewayProfile, dry_run: bool, restart: bool, timeout_s: float,
+                   out: TextIO, err: TextIO) -> int:
+    """A gateway profile: its workers side by side, then the gateway in front."""
+    if dry_run:
+        return _gateway_dry_run(profile, out)
+    if restart:
+        try:
+            before, fleet = restart_gateway(profile, timeout_s=timeout_s,
+                                            on_wait=waiting_line(err))
+        finally:
+            _end_waiting_line(err)
+        _report_gateway(fleet.record, fleet.workers, out, note="restarted")
+        for was, now in zip(before, fleet.workers, strict=True):
+            change = capacity_change(was, now.info).replace("\n", "\n  ")
+            print(f"{now.handle.name}: {change}", file=out)
+        return 0
+    record = read_gateway(profile.state_path)
+    if record is not None and (gateway_alive(record) or workers_alive(record)):
+        up, alive = gateway_alive(record), workers_alive(record)
+        if record.profile_hash != gateway_profile_hash(profile):
+            print(f"{record.name} is running (gateway pid {record.pid}, {record.url}) with "
+                  "other settings; use --restart to apply this profile", file=err)
+            return 1
+        if not up or alive < len(record.workers):
+            print(f"{record.name} is partly running (gateway {'up' if up else 'down'}, "
+                  f"{alive} of {len(record.workers)} workers); use --restart, or --stop",
+                  file=err)
+            return 1
+        workers = profile.workers_in(profile.state_path)
+        verified = []
+        for worker in workers:
+            handle = running(worker)
+            assert handle is not None, "workers_alive counted it"
+            verified.append(verify(handle, worker))
+        _report_gateway(record, verified, out, note="already running")
+        return 0
+    try:
+        fleet = asyncio.run(launch_gateway(profile, timeout_s=timeout_s,
+                                           on_wait=waiting_line(err)))
+    finally:
+        _end_waiting_line(err)
+    _report_gateway(fleet.record, fleet.workers, out)
+    return 0
+
+
+def _gateway_dry_run(profile: GatewayProfile, out: TextIO) -> int:
+    workers = profile.workers_in(profile.state_path)
+    urls = []
+    for i, worker in enumerate(workers, 1):
+        print(f"# worker {i} of {len(workers)}: {worker.server_name} ({worker.source_file})",
+              file=out)
+        _dry_run(worker, out)
+        urls.append(engine_for(worker.engine).url(worker))
+    settings = profile.gateway
+    print(f"# the gateway, started once every worker answers: {profile.server_name}", file=out)
+    print(shlex.join(gateway_command(profile.interpreter, host=settings.host,
+                                     port=settings.port, metrics_port=settings.metrics_port,
+                                     worker_urls=urls, backend=profile.backend)), file=out)
+    for flag, port in (("--port", settings.port), ("--prometheus-port", settings.metrics_port)):
+        if port == 0:
+            print(f"# {flag} 0: a free port is chosen at start", file=out)
+    if any(engine_for(w.engine).port(w) == 0 for w in workers):
+        print("# a worker URL with port 0 gets the port its worker starts on", file=out)
+    print(f"# run without a shell; state, log and pid under {profile.state_path}", file=out)
+    return 0
+
+
+def _report_gateway(record: GatewayRecord, workers: list[Verified], out: TextIO,
+                    note: str = "") -> None:
+    print(f"gateway up at {record.url} — {len(workers)} workers, pid {record.pid}"
+          f"{f' ({note})' if note else ''}", file=out)
+    print(f"  log {record.dir / 'gateway.log'}; state {record.dir / 'state.json'}", file=out)
+    for verified in workers:
+        _report(verified, out, note=note, prefix=f"{verified.handle.name}: ")
 
 
 def waiting_line(err: TextIO) -> Callable[[float], None]:

@@ -25,29 +25,35 @@ from draftgen.errors import DraftgenError, JobError, path_error
 
 @app.command()
 def serve(
-    profile: Annotated[Path | None, typer.Argument(help="server profile YAML")] = None,
+    profile: Annotated[Path | None, typer.Argument(
+        help="server profile YAML, or a gateway profile (workers and a gateway)")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the argv only")] = False,
-    stop: Annotated[bool, typer.Option("--stop", help="stop the profile's server")] = False,
+    stop: Annotated[bool, typer.Option(
+        "--stop", help="stop the profile's server (a gateway and its workers)")] = False,
     restart: Annotated[bool, typer.Option(
         "--restart", help="stop, start, verify, show what changed")] = False,
     timeout: Annotated[float, typer.Option(min=0, help="seconds to wait for the server")
                        ] = 1800.0,
 ) -> None:
-    """Launch a server from a profile, wait for a real generation, verify it, summarise."""
+    """Launch a server from a profile, wait for a real generation, verify it, summarise; a
+    gateway profile launches its workers side by side, then the gateway in front."""
     from draftgen.cli.serve import serve as serve_profile
-    from draftgen.servers import check_profile, load_profile
+    from draftgen.servers import check_profile
+    from draftgen.servers.gateway_profile import GatewayProfile, load_any_profile
 
     # Bad input stops here with one `error:` line; what is left for `serve` to report
     # concerns the server itself.
     if sum((dry_run, stop, restart)) > 1:
         raise fail(JobError("give at most one of --dry-run, --stop, --restart"))
     if profile is None and not stop:
-        raise fail(JobError("give a server profile (YAML); see examples/profiles/"))
+        raise fail(JobError("give a server or gateway profile (YAML); see examples/profiles/"))
     if profile is not None and not (stop and profile.is_dir()):
         try:
-            loaded = load_profile(profile)
+            loaded = load_any_profile(profile)
             if not stop:
-                check_profile(loaded)
+                for server in (loaded.workers if isinstance(loaded, GatewayProfile)
+                               else [loaded]):
+                    check_profile(server)
         except DraftgenError as e:
             raise fail(e) from None
     raise typer.Exit(serve_profile(profile, dry_run, stop, restart, timeout))

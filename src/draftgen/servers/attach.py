@@ -10,9 +10,7 @@ dtype cannot be told is used but recorded as unverified, with a warning.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +21,14 @@ from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.servers.engines.info import ServerInfoError, configuration_id
 from draftgen.servers.engines.registry import engine_for
-from draftgen.servers.gateway import LaunchedGateway
+from draftgen.servers.gateway_launch import LaunchedFleet, launch_gateway, launch_worker
+from draftgen.servers.gateway_profile import (
+    GatewayProfile,
+    gateway_of_workers,
+    load_any_profile,
+)
 from draftgen.servers.info import fetch_server_info, manifest_record
-from draftgen.servers.launcher import launch, stop
+from draftgen.servers.launcher import Verified, stop
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.process import find_free_port
 from draftgen.servers.profile import ServerProfile, load_profile
@@ -56,7 +59,7 @@ class AttachedServers:
     _profiles: dict[str, ServerProfile] = field(default_factory=dict)
     _identity: dict[str, Any] = field(default_factory=dict)
     _launched: list[ServerProfile] = field(default_factory=list)
-    _gateways_started: list[LaunchedGateway] = field(default_factory=list)
+    _fleets: list[LaunchedFleet] = field(default_factory=list)
     _engines: dict[str, str] = field(default_factory=dict)
     # Each server's configuration as last verified (id), and every configuration seen.
     _config_of: dict[str, str] = field(default_factory=dict)
@@ -71,9 +74,15 @@ class AttachedServers:
         try:
             for s in self.job.servers:
                 if s.launch is not None:
-                    self.urls.append(await self._launch(load_profile(self.job.resolve(s.launch))))
+                    launched = load_any_profile(self.job.resolve(s.launch))
+                    if isinstance(launched, GatewayProfile):
+                        await self._launch_gateway(launched)
+                    else:
+                        self.urls.append(await self._launch(launched))
                 elif s.workers is not None:
-                    await self._launch_gateway(s.workers)
+                    await self._launch_gateway(gateway_of_workers(
+                        [load_profile(self.job.resolve(p)) for p in s.workers],
+                        name=self._gateway_name(), where="servers"))
                 elif s.gateway is not None:
                     self.gateways[check_url(s.gateway, "servers")] = (
                         load_profile(self.job.resolve(s.profile)) if s.profile else None)
@@ -90,50 +99,39 @@ class AttachedServers:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.stop_launched)
 
-    async def _launch_gateway(self, worker_profiles: list[str]) -> None:
-        """Launch each worker profile, then a gateway in front of them (its log under the
-        run's servers folder); its workers are found through it like any gateway's."""
-        profiles = [load_profile(self.job.resolve(p)) for p in worker_profiles]
-        if len({p.engine for p in profiles}) > 1:
-            raise JobError(f"servers: workers {worker_profiles} mix engines "
-                           f"({', '.join(sorted({p.engine for p in profiles}))}); a gateway "
-                           "fronts one kind")
-        urls = [await self._launch(p) for p in profiles]
-        gateway = LaunchedGateway(urls, backend=profiles[0].engine,
-                                  log_path=self.state_dir / "gateway.log")
-        self._gateways_started.append(gateway)
-        self.log(f"launching a gateway in front of {len(urls)} workers on {gateway.url} …")
-        await asyncio.to_thread(gateway.start)
-        self.gateways[gateway.url] = None  # each worker keeps its own profile
+    async def _launch_gateway(self, profile: GatewayProfile) -> None:
+        """Launch the workers side by side, then a gateway in front of them, on free ports,
+        under the run's servers folder (`gateway_launch.py`, as `serve` does); its workers are
+        found through it like any gateway's, each keeping its own profile."""
+        for worker in profile.workers:
+            check_profile(worker)
+        fleet = await launch_gateway(profile, folder=self.state_dir / profile.server_name,
+                                     free_ports=True, launch_one=self._launch_worker,
+                                     log=self.log)
+        self._fleets.append(fleet)
+        self.gateways[fleet.gateway.url] = None
+
+    def _gateway_name(self) -> str:
+        """A folder under the run's servers folder for a `workers:` entry's gateway."""
+        taken = len(self._fleets)
+        return "gateway" if not taken else f"gateway-{taken + 1}"
 
     async def _launch(self, profile: ServerProfile) -> str:
         check_profile(profile)
         # Under the run directory, on a free port: a run never collides with a server the
         # user started from the same profile by hand.
         profile = profile.model_copy(update={"state_dir": str(self.state_dir)})
-        port = find_free_port()
+        verified = await self._launch_worker(profile, find_free_port())
+        return verified.handle.url
+
+    async def _launch_worker(self, profile: ServerProfile, port: int | None) -> Verified:
+        """Launch and verify one server; cancelled, it stops the half-started server."""
         self.log(f"launching {profile.engine} from {profile.source_file} on port {port} …")
         self._launched.append(profile)
-        cancelled = threading.Event()
-
-        def on_wait(_elapsed_s: float) -> None:
-            # Raised inside the launching thread, so `launch` stops the half-started server.
-            if cancelled.is_set():
-                raise KeyboardInterrupt
-
-        attempt = asyncio.ensure_future(asyncio.to_thread(launch, profile, port=port,
-                                                          on_wait=on_wait,
-                                                          api_key=self.api_key))
-        try:
-            verified = await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            cancelled.set()
-            with contextlib.suppress(BaseException):
-                await attempt
-            raise
+        verified = await launch_worker(profile, port, api_key=self.api_key)
         self.log(verified.summary)
         self._profiles[verified.handle.url] = profile
-        return verified.handle.url
+        return verified
 
     def worker_of(self, gateway: str, url: str) -> None:
         """`url` is a worker behind `gateway`: the profile the job names for the gateway's
@@ -152,8 +150,8 @@ class AttachedServers:
         return engine_for(engine).token_id_fields if engine else {}
 
     def stop_launched(self) -> None:
-        while self._gateways_started:
-            self._gateways_started.pop().stop()
+        while self._fleets:
+            self._fleets.pop().stop()
         while self._launched:
             stop(self._launched.pop())
 

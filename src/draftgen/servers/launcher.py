@@ -364,15 +364,16 @@ def restart(
     """
     check_profile(profile)
     previous = read_handle(profile)
-    before = _current_or_last_info(previous, profile)
+    before = last_info(previous, profile)
     port = previous.port if previous is not None and profile.port == 0 else None
     stop(profile)
     return before, launch(profile, timeout_s=timeout_s, on_wait=on_wait, port=port)
 
 
-def _current_or_last_info(
+def last_info(
     previous: ServerHandle | None, profile: ServerProfile
 ) -> ServerInfo | None:
+    """What the server of `previous` reports (asked now, if it runs), or its last summary."""
     if previous is None:
         return None
     if is_alive(previous):

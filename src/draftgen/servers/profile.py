@@ -57,7 +57,9 @@ MANAGED_FLAGS = frozenset(
     }
 )  # fmt: skip
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A server's (or gateway's) folder name under the state directory.
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+_NAME = re.compile(NAME_PATTERN)
 
 
 class _Strict(BaseModel):
@@ -314,6 +316,11 @@ def _resolve_path(value: str, base: Path, *, must_exist_unless_explicit: bool) -
     if explicit or not must_exist_unless_explicit or candidate.exists():
         return str(candidate)
     return value
+
+
+def resolve_relative(value: str, base: Path) -> str:
+    """A path given in a profile file, resolved from the file's directory."""
+    return _resolve_path(value, base, must_exist_unless_explicit=False)
 
 
 def resolve_paths(profile: ServerProfile, base_dir: Path) -> ServerProfile:
