@@ -28,3 +28,13 @@ async def get_text(session: Session, url: str, *, timeout_s: float = 10.0) -> st
             return await r.text() if r.status == 200 else None
     except (aiohttp.ClientError, TimeoutError):
         return None
+
+
+async def answers(session: Session, url: str, *, timeout_s: float = 5.0) -> bool:
+    """Whether anything answers HTTP at `url`, whatever the status (an error page, 401
+    included): False only when nothing does (refused, unreachable, silent)."""
+    try:
+        async with asyncio.timeout(timeout_s), session.get(url):
+            return True
+    except (aiohttp.ClientError, TimeoutError):
+        return False

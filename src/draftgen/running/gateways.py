@@ -10,11 +10,17 @@ is gone, unhealthy or draining leaves it (what it held goes back to the queue, u
 An answer served by another worker than its key's (a gateway restart forgets its pins; a
 retry lands elsewhere) names the worker that served it, and that key is learnt again; an
 answer from a worker the run has not accepted is not kept.
+
+A new worker whose own URL does not answer (in a cluster often only the gateway is
+reachable) is `relayed`: verified from what the gateway relays of it (its metrics and
+labels), its load read from the gateway's page (client/gateway_load.py), and alive while
+the gateway lists it as ready. One that answers is read directly, as any server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,7 +28,7 @@ from typing import Any
 import orjson
 
 from draftgen.client import ChatClient
-from draftgen.client.http import Session, get_text
+from draftgen.client.http import Session, answers, get_text
 from draftgen.clock import Clock
 from draftgen.errors import DraftgenError
 from draftgen.schedule.pool import Route, ServerPool, ServerState
@@ -42,9 +48,10 @@ KEY_TRIES_PER_WORKER = 8
 # stick would otherwise get 8 pings a worker every WATCH_EVERY_S).
 KEY_RETRY_S = 60.0
 
-# Verify a worker: True when the run may send to it (policy passed or unverifiable but
-# allowed), False when the policy refused it (the reason is logged by the verifier).
-Verify = Callable[[str, str], Awaitable[bool]]
+# Verify a worker (gateway, URL, relayed): True when the run may send to it (policy passed
+# or unverifiable but allowed), False when the policy refused it (the reason is logged by
+# the verifier). `relayed`: its own URL does not answer; read what the gateway relays.
+Verify = Callable[[str, str, bool], Awaitable[bool]]
 
 
 class GatewayWorkers:
@@ -61,6 +68,7 @@ class GatewayWorkers:
         self.keys: dict[str, str] = {}  # worker URL -> a routing key pinned to it
         self.accepted: dict[str, str] = {}  # worker URL -> its gateway
         self.refused: set[str] = set()
+        self.relayed: set[str] = set()  # workers reached only through their gateway
         self._relearn: set[str] = set()
         self._keyless_until: dict[str, float] = {}  # worker URL -> monotonic time
         self._tag = secrets.token_hex(3)
@@ -83,16 +91,39 @@ class GatewayWorkers:
             workers = await self.read(gateway)
             if workers is None:
                 raise GatewayError(f"{gateway}{WORKERS_PATH}: the gateway does not answer")
+            await self._sort_out(gateway, workers)
             for w in workers:
                 if (route := await self._admit(gateway, w)) is not None:
                     routes[w.url] = route
         return routes
 
+    async def _sort_out(self, gateway: str, workers: list[Worker]) -> None:
+        """Which new workers answer on their own URL; asked all at once, since an address
+        that cannot be reached may stay silent until the timeout."""
+        new = [w.url for w in workers
+               if w.ready and w.url not in self.accepted and w.url not in self.refused]
+        direct = await asyncio.gather(*(self._answers(url) for url in new))
+        for url, ok in zip(new, direct, strict=True):
+            if ok:
+                self.relayed.discard(url)
+            elif url not in self.relayed:
+                self.relayed.add(url)
+                self._log(f"{gateway}: worker {url} does not answer on its own URL; its "
+                          "settings, load and liveness are read through the gateway")
+
+    async def _answers(self, url: str) -> bool:
+        return await answers(self._session, url + "/v1/models")
+
+    def reachable(self, urls: list[str]) -> list[str]:
+        """`urls` with its gateway in place of each relayed worker (once): where start-up
+        can ask whether a server answers."""
+        return list(dict.fromkeys(self.accepted[u] if u in self.relayed else u for u in urls))
+
     async def _admit(self, gateway: str, worker: Worker) -> Route | None:
         if not worker.ready or worker.url in self.refused:
             return None
         if worker.url not in self.accepted:
-            if not await self._verify(gateway, worker.url):
+            if not await self._verify(gateway, worker.url, worker.url in self.relayed):
                 self.refused.add(worker.url)
                 self._log(f"{gateway}: worker {worker.url} refused by the quality policy; "
                           "no request will be addressed to it")
@@ -108,7 +139,7 @@ class GatewayWorkers:
                       f"started with --policy manual?); not sending to it, trying again in "
                       f"{KEY_RETRY_S:.0f}s")
             return None
-        return Route(gateway, {ROUTING_KEY_HEADER: key})
+        return Route(gateway, {ROUTING_KEY_HEADER: key}, relayed=worker.url in self.relayed)
 
     async def _key_for(self, gateway: str, worker: str) -> str | None:
         if worker in self.keys and worker not in self._relearn:
@@ -145,16 +176,23 @@ class GatewayWorkers:
 
     async def reach(self, server: ServerState) -> None:
         """Learn a routing key that lands on `server` now (its gateway may have restarted
-        and forgotten every pin, or the worker come back): a GatewayError if none does."""
-        assert server.route is not None
-        gateway = server.route.gateway
-        if await get_text(self._session, server.url + "/health") is None:
+        and forgotten every pin, or the worker come back): a GatewayError if none does.
+        Only a worker that is up is tried: its own port answers, or (relayed) its gateway
+        lists it as ready."""
+        route = server.route
+        assert route is not None
+        gateway = route.gateway
+        if route.relayed:
+            listed = await self.read(gateway)
+            if not any(w.url == server.url and w.ready for w in listed or ()):
+                raise GatewayError(f"{gateway} does not list {server.url} as ready")
+        elif await get_text(self._session, server.url + "/health") is None:
             raise GatewayError(f"{server.url} does not answer on its own port")
         self._relearn.add(server.url)
         key = await self._key_for(gateway, server.url)
         if key is None:
             raise GatewayError(f"{gateway}: no routing key lands on {server.url}")
-        server.route = Route(gateway, {ROUTING_KEY_HEADER: key})
+        server.route = dataclasses.replace(route, headers={ROUTING_KEY_HEADER: key})
 
     async def watch(self, pool: ServerPool, stop: asyncio.Event) -> None:
         """Keep `pool` to what the gateways list, every WATCH_EVERY_S, until `stop`."""
@@ -181,6 +219,7 @@ class GatewayWorkers:
                 self.keys.pop(url, None)
             elif url in self._relearn and server.up:
                 await self.reach(server)
+        await self._sort_out(gateway, [w for w in workers if w.url not in mine])
         for w in workers:
             if w.url not in mine and (route := await self._admit(gateway, w)) is not None:
                 pool.add(w.url, route)

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import orjson
 
+from draftgen.client.gateway_load import GatewayLoads, RelayedPoller
 from draftgen.client.http import Session, open_session
 from draftgen.client.load import LoadPoller
 from draftgen.clock import Clock
@@ -77,7 +78,8 @@ class RunMonitor:
         self._log = log
         self._metrics = metrics
         self._session: Session | None = None
-        self._pollers: dict[str, LoadPoller] = {}
+        self._pollers: dict[str, LoadPoller | RelayedPoller] = {}
+        self._gateway_loads: dict[str, GatewayLoads] = {}
         self.loads: dict[str, ServerLoad] = {}
         self._last_series = float("-inf")
         stats.server_view = lambda: tuple(self._server_view())
@@ -88,14 +90,24 @@ class RunMonitor:
             self._poller(s)
         return self
 
-    def _poller(self, server: ServerState) -> LoadPoller:
+    def _poller(self, server: ServerState) -> LoadPoller | RelayedPoller:
         """The server's load poller; a server that joined mid-run (a gateway's new worker)
-        gets one at its first poll."""
+        gets one at its first poll. A worker reached only through its gateway is read from
+        the gateway's page, one read per gateway per round."""
         poller = self._pollers.get(server.url)
         if poller is None:
             assert self._session is not None
-            poller = self._pollers[server.url] = LoadPoller(
-                self._session, server.url, clock=self._clock, log=self._log)
+            route = server.route
+            if route is not None and route.relayed:
+                loads = self._gateway_loads.get(route.gateway)
+                if loads is None:
+                    loads = self._gateway_loads[route.gateway] = GatewayLoads(
+                        self._session, route.gateway, clock=self._clock)
+                poller = RelayedPoller(loads, server.url, log=self._log)
+            else:
+                poller = LoadPoller(self._session, server.url, clock=self._clock,
+                                    log=self._log)
+            self._pollers[server.url] = poller
         return poller
 
     async def __aexit__(self, *exc: object) -> None:
@@ -125,7 +137,9 @@ class RunMonitor:
         holding them until the hang watchdog.
 
         A gateway's worker is gone as soon as its own port refuses: the gateway may be
-        answering its requests from another worker, so silence cannot be waited for."""
+        answering its requests from another worker, so silence cannot be waited for. (One
+        reached only through its gateway never refuses here: it leaves when the gateway no
+        longer lists it as ready.)"""
         silent_s = self._clock.monotonic() - server.last_progress
         if server.route is not None:
             self._pool.abandon(server, f"its own port refuses ({self._pollers[server.url].failure})"

@@ -161,7 +161,8 @@ class Runner:
                         if not self._urls:
                             raise JobError("servers: no server to send to; list servers in "
                                            "the job or pass --server URL")
-                        if gave_up := await start.await_servers(self._urls):
+                        ask = self._gateways.reachable(self._urls) if self._gateways else self._urls
+                        if gave_up := await start.await_servers(ask):
                             self._stop(gave_up, exit_code=3)
                         for url in self._urls:
                             if url in self._routes:
@@ -312,9 +313,9 @@ class Runner:
         print(f"metrics: http://127.0.0.1:{port}/metrics", file=sys.stderr, flush=True)
         return self.metrics
 
-    async def _verify_worker(self, gateway: str, url: str) -> bool:
+    async def _verify_worker(self, gateway: str, url: str, relayed: bool) -> bool:
         """A gateway's worker, verified like a server: False when the policy refuses it."""
-        self._servers.worker_of(gateway, url)
+        self._servers.worker_of(gateway, url, relayed=relayed)
         try:
             record = await self._servers.verify(url)
         except QualityPolicyError as e:

@@ -19,15 +19,18 @@ from draftgen.clock import Clock
 @dataclass(frozen=True, slots=True)
 class Route:
     """Where a server's requests go when not to its own URL: a gateway, with the headers
-    that address this worker there."""
+    that address this worker there. `relayed`: the worker's own URL did not answer, so its
+    load, settings and liveness are read through the gateway too."""
 
     gateway: str
     headers: Mapping[str, str] = field(default_factory=dict)
+    relayed: bool = False
 
 
 @dataclass(eq=False, slots=True)
 class ServerState:
     url: str  # the server itself: what records name, where its load and settings are read
+    # (a relayed route: as its gateway relays them)
     route: Route | None = None
     in_flight: int = 0
     down_since: float | None = None  # wall clock, for people

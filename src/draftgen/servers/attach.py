@@ -4,7 +4,9 @@ record what each runs with, and stop what the run started.
 A server whose KV cache is lossy is refused unless the profile it was launched from (or
 that the job names for it) carries the override; the override is stamped into the run
 manifest. A URL that answers like neither engine (a proxy, a test stand-in) or whose KV
-dtype cannot be told is used but recorded as unverified, with a warning.
+dtype cannot be told is used but recorded as unverified, with a warning. A gateway's worker
+whose own URL does not answer is verified from what the gateway relays of it (its metrics
+and labels, servers/gateway_metrics.py): what they do not say is unverified alike.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from draftgen.servers.gateway_profile import (
     gateway_of_workers,
     load_any_profile,
 )
-from draftgen.servers.info import fetch_server_info, manifest_record
+from draftgen.servers.info import fetch_relayed_info, fetch_server_info, manifest_record
 from draftgen.servers.launcher import Verified, stop
 from draftgen.servers.policy import check_profile, check_running
 from draftgen.servers.process import find_free_port
@@ -63,6 +65,8 @@ class AttachedServers:
     _engines: dict[str, str] = field(default_factory=dict)
     # Each server's configuration as last verified (id), and every configuration seen.
     _config_of: dict[str, str] = field(default_factory=dict)
+    # Gateway workers reached only through their gateway: worker URL -> gateway.
+    _relayed: dict[str, str] = field(default_factory=dict)
     configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> AttachedServers:
@@ -133,11 +137,14 @@ class AttachedServers:
         self._profiles[verified.handle.url] = profile
         return verified
 
-    def worker_of(self, gateway: str, url: str) -> None:
+    def worker_of(self, gateway: str, url: str, *, relayed: bool = False) -> None:
         """`url` is a worker behind `gateway`: the profile the job names for the gateway's
-        workers applies to it (a worker the run launched keeps its own)."""
+        workers applies to it (a worker the run launched keeps its own). `relayed`: its own
+        URL does not answer, so it is verified from what the gateway relays of it."""
         if (profile := self.gateways.get(gateway)) is not None:
             self._profiles.setdefault(url, profile)
+        if relayed:
+            self._relayed[url] = gateway
 
     def configuration_of(self, url: str) -> str | None:
         """The id of the configuration `url` was last verified with (None: unverified)."""
@@ -162,7 +169,10 @@ class AttachedServers:
         limit = self.job.client.probe_timeout_s
         try:
             async with asyncio.timeout(limit):
-                info = await fetch_server_info(url, profile=profile, api_key=self.api_key)
+                info = await (
+                    fetch_relayed_info(self._relayed[url], url, profile=profile,
+                                       api_key=self.api_key) if url in self._relayed
+                    else fetch_server_info(url, profile=profile, api_key=self.api_key))
         except (ServerInfoError, TimeoutError) as e:
             reason = str(e) or f"{url} did not describe itself within {limit:g}s"
             record: dict[str, Any] = {"url": url, "verified": False, "reason": reason}

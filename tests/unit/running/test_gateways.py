@@ -45,8 +45,14 @@ class ScriptedGateway:
 
 
 def gateway_workers(gw: ScriptedGateway, refuse: set[str] = frozenset(),  # type: ignore[assignment]
-                    log: list[str] | None = None) -> GatewayWorkers:
-    async def verify(_gateway: str, url: str) -> bool:
+                    log: list[str] | None = None,
+                    unreachable: set[str] = frozenset(),  # type: ignore[assignment]
+                    verified: list[tuple[str, bool]] | None = None) -> GatewayWorkers:
+    """`unreachable`: workers whose own URL does not answer (only the gateway does);
+    `verified` collects each verification asked, with whether it was to be relayed."""
+    async def verify(_gateway: str, url: str, relayed: bool) -> bool:
+        if verified is not None:
+            verified.append((url, relayed))
         return url not in refuse
 
     g = GatewayWorkers([GW], client=gw, session=None, model="m",  # type: ignore[arg-type]
@@ -56,7 +62,11 @@ def gateway_workers(gw: ScriptedGateway, refuse: set[str] = frozenset(),  # type
     async def read(_gateway: str) -> list[Worker]:
         return [Worker(u, u, True, "ready") for u in gw.workers]
 
+    async def answers(url: str) -> bool:
+        return url not in unreachable
+
     g.read = read  # type: ignore[method-assign]
+    g._answers = answers  # type: ignore[method-assign]
     return g
 
 
@@ -171,3 +181,73 @@ def test_a_worker_whose_own_port_is_silent_is_not_reached(
 
     with pytest.raises(GatewayError, match="does not answer on its own port"):
         asyncio.run(go())
+
+
+def test_a_worker_only_the_gateway_reaches_is_verified_and_routed_as_relayed() -> None:
+    gw = ScriptedGateway([A, B])
+    log: list[str] = []
+    verified: list[tuple[str, bool]] = []
+    g = gateway_workers(gw, unreachable={B}, log=log, verified=verified)
+    routes = asyncio.run(g.discover())
+    assert set(routes) == {A, B}
+    assert not routes[A].relayed and routes[B].relayed  # A answers itself: read directly
+    assert sorted(verified) == [(A, False), (B, True)]
+    assert gw.pins[routes[B].headers[ROUTING_KEY_HEADER]] == B
+    assert [m for m in log if "does not answer on its own URL" in m] == [
+        f"{GW}: worker {B} does not answer on its own URL; its settings, load and "
+        "liveness are read through the gateway"]
+    # Start-up asks the gateway in place of the worker it cannot reach.
+    assert g.reachable([A, B, "http://direct:1"]) == [A, GW, "http://direct:1"]
+
+
+def test_a_relayed_worker_joining_mid_run_is_relayed_too() -> None:
+    gw = ScriptedGateway([A])
+    g = gateway_workers(gw, unreachable={C})
+
+    async def go() -> ServerPool:
+        routes = await g.discover()
+
+        async def probe(_s: ServerState) -> None:
+            return None
+
+        pool = ServerPool(list(routes), routes=routes, clock=FakeClock(), probe=probe,
+                          hang_timeout_s=60, on_hang=lambda _s: None)
+        gw.workers = [A, C]
+        await g._refresh(pool, GW)
+        return pool
+
+    pool = asyncio.run(go())
+    route = pool.servers[1].route
+    assert pool.servers[1].url == C and route is not None and route.relayed
+
+
+def test_a_relayed_worker_is_up_while_the_gateway_lists_it_not_while_its_port_answers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gw = ScriptedGateway([A, B])
+    g = gateway_workers(gw, unreachable={B})
+    own_port: list[str] = []
+
+    async def silent(_session: Any, url: str, **_: Any) -> None:
+        own_port.append(url)
+        return None
+
+    monkeypatch.setattr(gateways, "get_text", silent)
+
+    async def go() -> ServerState:
+        routes = await g.discover()
+        server = ServerState(B, routes[B])
+        gw.pins.clear()  # a restarted gateway forgets every pin
+        await g.reach(server)
+        return server
+
+    server = asyncio.run(go())
+    assert own_port == []  # its own port was never asked
+    assert server.route is not None and server.route.relayed
+    assert gw.pins[server.route.headers[ROUTING_KEY_HEADER]] == B
+
+    async def unlisted(_gateway: str) -> list[Worker]:
+        return [Worker(A, A, True, "ready"), Worker(B, B, False, "ready")]  # B unhealthy
+
+    g.read = unlisted  # type: ignore[method-assign]
+    with pytest.raises(GatewayError, match="does not list http://b:1 as ready"):
+        asyncio.run(g.reach(server))
