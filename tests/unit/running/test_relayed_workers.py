@@ -8,25 +8,32 @@ The gateway here is an in-process stand-in answering with the recorded smg 1.13.
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from test_runner import make_job, rows
 
 from draftgen.client.gateway_load import FRESH_S, GatewayLoads, RelayedPoller
 from draftgen.clock import FakeClock
+from draftgen.engine import find_free_port
 from draftgen.job import load_job
 from draftgen.running.monitor import RunMonitor
+from draftgen.running.runner import RunOptions, run_job
 from draftgen.running.stats import RunStats
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.pool import Route, ServerPool, ServerState
 from draftgen.servers import QualityPolicyError
 from draftgen.servers.attach import AttachedServers
 from draftgen.servers.engines.registry import read_metrics
+from draftgen.servers.gateway import ROUTED_WORKER_HEADER, ROUTING_KEY_HEADER
+from helpers.fakeserver import completion
 
 DATA = Path(__file__).parents[1] / "servers" / "data"
 RECORDED = (DATA / "smg-1.13.0-engine_metrics.txt").read_text()
@@ -185,3 +192,74 @@ async def test_a_relayed_worker_is_verified_from_what_the_gateway_relays(
     else:  # unverifiable but allowed: used, recorded as unverified, with the reason
         assert "does not say what it runs with" in record["reason"]
         assert servers.configuration_of(A) is None
+
+
+def closed_gateway_app(workers: list[str], hits: collections.Counter[str]) -> web.Application:
+    """A manual-policy gateway in front of `workers`, whose own URLs lead nowhere: it lists
+    them, relays their metrics (the recorded page, bf16 KV) and answers chats as theirs."""
+    page = "".join(RECORDED.replace(A, w).replace('cache_dtype="auto"', 'cache_dtype="bfloat16"')
+                   for w in workers)
+    labels = WORKERS["workers"][0]["labels"]
+    listed = {"workers": [{"url": w, "id": w, "is_healthy": True, "status": "ready",
+                           "runtime_type": "vllm", "labels": labels} for w in workers]}
+    pins: dict[str, str] = {}
+    turn = itertools.count()
+
+    async def get(request: web.Request) -> web.Response:
+        hits[request.path] += 1
+        if request.path == "/engine_metrics":
+            return web.Response(text=page)
+        if request.path == "/workers":
+            return web.json_response(listed)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [{"id": "fake"}]})
+        return web.Response(status=404)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        key = request.headers.get(ROUTING_KEY_HEADER, "")
+        worker = pins.setdefault(key, workers[next(turn) % len(workers)])
+        hits[worker] += 1
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               ROUTED_WORKER_HEADER: worker})
+        await response.prepare(request)
+        for step in completion(["an", " answer"]).steps:
+            assert isinstance(step, bytes)
+            await response.write(step)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", get)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+async def test_a_run_through_a_gateway_whose_workers_only_it_reaches(tmp_path: Path) -> None:
+    workers = [f"http://127.0.0.1:{find_free_port()}" for _ in range(2)]  # nothing listens
+    hits: collections.Counter[str] = collections.Counter()
+    runner = web.AppRunner(closed_gateway_app(workers, hits))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    gateway = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    job = make_job(tmp_path, rows(12))
+    job.write_text(job.read_text() + "poll_interval_s: 0.1\n")
+    try:
+        summary = await asyncio.wait_for(run_job(load_job(job), RunOptions(
+            tmp_path / "out", gateways=[gateway], progress=False)), timeout=60)
+    finally:
+        await runner.cleanup()
+    assert (summary.done, summary.failed, summary.pending) == (12, 0, 0)
+    recs = [orjson.loads(x) for p in sorted((tmp_path / "out" / "shards").glob("*"))
+            for x in p.read_bytes().splitlines()]
+    assert {r["server"] for r in recs} <= set(workers)
+    manifest = orjson.loads((tmp_path / "out" / "manifest.json").read_bytes())
+    run = manifest["runs"][-1]
+    records = {r["url"]: r for r in run["servers"]}
+    assert set(records) == set(workers)
+    assert all(r["verified"] and r["kv_dtype"] == "bfloat16" for r in records.values())
+    assert hits["/engine_metrics"] >= 2  # verification (one per worker) and load polls
+    assert any("does not answer on its own URL" in e for e in run["events"])
+    assert not any("refuses" in e or "leaves" in e for e in run["events"]), run["events"]
+    assert sum(f"load from vllm /metrics via {gateway}/engine_metrics" in e
+               for e in run["events"]) == 2
