@@ -174,6 +174,11 @@ class LaunchedGateway:
         raise GatewayError(f"the gateway did not list its {self._workers} workers as ready "
                            f"within {timeout_s:g}s: {log_tail(self.log_path)}")
 
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The running gateway, this process's child (only a parent can reap it)."""
+        return self._proc
+
     def cancel(self) -> None:
         """Make a `start` waiting in another thread stop the gateway and give up."""
         self._cancelled.set()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -49,6 +50,7 @@ from draftgen.servers.process import (
     poll_until_gone,
     process_start_ticks,
     terminate_group,
+    wait_child,
 )
 from draftgen.servers.profile import ServerProfile
 from draftgen.store.atomic import write_atomic
@@ -57,6 +59,9 @@ GATEWAY_LOG = "gateway.log"
 GATEWAY_PID = "gateway.pid"
 # How long the gateway may take to list its (already answering) workers as ready.
 GATEWAY_START_S = 120.0
+
+# Gateways this process started and left running (`serve`): only a parent can reap them.
+_children: dict[int, subprocess.Popen[bytes]] = {}
 
 T = TypeVar("T")
 # Launch one worker on a port (None: its profile's) and verify it.
@@ -109,6 +114,7 @@ class LaunchedFleet:
 
     def stop(self) -> None:
         """Stop the gateway, then its workers."""
+        _children.pop(self.record.pid, None)
         self.gateway.stop()
         with contextlib.suppress(FileNotFoundError):
             (self.record.dir / GATEWAY_PID).unlink()
@@ -217,6 +223,8 @@ async def launch_gateway(
             workers=tuple(v.handle.dir for v in verified),
             profile_hash=gateway_profile_hash(profile), started_at=time.time(),
             start_ticks=gateway.start_ticks)
+        if gateway.process is not None:
+            _children[gateway.pid] = gateway.process
         write_atomic(folder / GATEWAY_PID, f"{gateway.pid}\n".encode())
         _write_state(record, "up", profile)
     except BaseException:
@@ -273,8 +281,11 @@ def stop_gateway(folder: Path, timeout_s: float = 30.0) -> GatewayRecord | None:
     if record is None:
         return None
     was_running = gateway_alive(record)
+    child = _children.pop(record.pid, None)
     if was_running:
-        terminate_group(record.pid, poll_until_gone(record.pid), timeout_s=timeout_s)
+        terminate_group(record.pid,
+                        wait_child(child) if child is not None else poll_until_gone(record.pid),
+                        timeout_s=timeout_s)
     with contextlib.suppress(FileNotFoundError):
         (folder / GATEWAY_PID).unlink()
     for worker in record.workers:

@@ -183,9 +183,10 @@ def _check_workers(where: str | Path, workers: list[ServerProfile],
     names: dict[str, ServerProfile] = {}
     taken: dict[tuple[str, int], ServerProfile] = {}
     for w in workers:
-        if (other := names.setdefault(w.server_name, w)) is not w:
+        if (other := names.get(w.server_name)) is not None:
             raise JobError(f"{where}{prefix}: {other.source_file} and {w.source_file} are both "
                            f"named {w.server_name!r}; give each worker its own `name`")
+        names[w.server_name] = w
         engine = engine_for(w.engine)
         port = engine.port(w)
         if not ports or not port:

@@ -170,6 +170,7 @@ class Bad:
 J = "{ws}/job.yaml"
 R = "{ws}/run"
 P = "{ws}/profile.yaml"
+GW = "{ws}/gw.yaml"
 
 ROWS = [
     # --- plan: the job file itself ---
@@ -377,6 +378,30 @@ ROWS = [
         profile_edit("kv_cache_dtype: bfloat16", "kv_cache_dtype: fp8_e4m3")),
     Bad("serve-stop-bad-profile", ["serve", P, "--stop"], 2, [P, "engine"],
         profile_edit("engine: vllm", "engine: tgi")),
+    # --- serve: a gateway profile (workers and a gateway) ---
+    Bad("serve-gateway-unknown-field", ["serve", GW, "--dry-run"], 2,
+        [GW, "gateway.prot", "unknown field"],
+        write("gw.yaml", "gateway: {workers: [profile.yaml], prot: 1}\n")),
+    Bad("serve-gateway-no-workers", ["serve", GW], 2, [GW, "gateway.workers"],
+        write("gw.yaml", "gateway: {workers: []}\n")),
+    Bad("serve-gateway-missing-worker", ["serve", GW, "--dry-run"], 2,
+        [GW, "gateway.workers.1", "{ws}/nope.yaml", "cannot read"],
+        write("gw.yaml", "gateway: {workers: [profile.yaml, nope.yaml]}\n")),
+    Bad("serve-gateway-bad-worker", ["serve", GW], 2, [GW, "gateway.workers.0", P, "tp"],
+        both(profile_edit("", "tp: 0\n"), write("gw.yaml", "gateway: {workers: [profile.yaml]}\n"))),
+    Bad("serve-gateway-lossy-worker", ["serve", GW, "--dry-run"], 2,
+        [P, "kv_cache_dtype", "fp8"],
+        both(profile_edit("kv_cache_dtype: bfloat16", "kv_cache_dtype: fp8_e4m3"),
+             write("gw.yaml", "gateway: {workers: [profile.yaml]}\n"))),
+    Bad("serve-gateway-port-twice", ["serve", GW, "--dry-run"], 2,
+        [GW, "gateway.workers", "port 8000"],
+        both(write("p2.yaml", PROFILE.replace("bad-commands", "other")),
+             write("gw.yaml", "gateway: {workers: [profile.yaml, p2.yaml]}\n"))),
+    Bad("serve-gateway-stop-bad", ["serve", GW, "--stop"], 2, [GW, "gateway.prot"],
+        write("gw.yaml", "gateway: {workers: [profile.yaml], prot: 1}\n")),
+    Bad("run-launch-gateway-missing-worker", ["run", J], 2, [GW, "gateway.workers.0"],
+        both(job_edit("", "servers: [{launch: gw.yaml}]\n"),
+             write("gw.yaml", "gateway: {workers: [nope.yaml]}\n"))),
     # --- tune ---
     Bad("tune-no-job", ["tune", P], 2, ["--job"]),
     Bad("tune-missing-profile", ["tune", "{ws}/nope.yaml", "--job", J], 2, ["{ws}/nope.yaml"]),
