@@ -162,7 +162,8 @@ class Runner:
                             raise JobError("servers: no server to send to; list servers in "
                                            "the job or pass --server URL")
                         ask = self._gateways.reachable(self._urls) if self._gateways else self._urls
-                        if gave_up := await start.await_servers(ask):
+                        if gave_up := await start.await_servers(
+                                ask, self._servers.relayed_contexts()):
                             self._stop(gave_up, exit_code=3)
                         for url in self._urls:
                             if url in self._routes:

@@ -47,9 +47,12 @@ class StartUp:
     # Per URL: its context length (None: it answered without saying).
     contexts: dict[str, int | None] = field(default_factory=dict)
 
-    async def await_servers(self, urls: list[str]) -> str | None:
+    async def await_servers(self, urls: list[str],
+                            known: Mapping[str, int] | None = None) -> str | None:
         """Wait until at least one of `urls` answers; each reading is bounded by the job's
-        probe_timeout_s. Returns why it gave up (server_down_give_up_s), or None."""
+        probe_timeout_s. Returns why it gave up (server_down_give_up_s), or None. `known`:
+        context lengths learnt otherwise, by URL (a gateway's, from its relayed workers),
+        for a URL that answers without saying one."""
         timeouts = self.job.client
         started = self.clock.monotonic()
         said = float("-inf")
@@ -63,6 +66,9 @@ class StartUp:
                 except RequestError as e:
                     why[url] = str(e)
             if len(why) < len(urls):
+                for url, n in (known or {}).items():
+                    if url in self.contexts and url not in why:
+                        self.contexts[url] = min(self.contexts[url] or n, n)
                 return None
             waited = self.clock.monotonic() - started
             if timeouts.server_down_give_up_s is not None and (

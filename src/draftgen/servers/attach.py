@@ -146,6 +146,16 @@ class AttachedServers:
         if relayed:
             self._relayed[url] = gateway
 
+    def relayed_contexts(self) -> dict[str, int]:
+        """Per gateway, the smallest context length its relayed workers were verified with
+        (what start-up cannot ask the gateway: its /v1/models does not say)."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            gateway, n = self._relayed.get(r["url"]), r.get("context_length")
+            if gateway is not None and isinstance(n, int):
+                out[gateway] = min(n, out.get(gateway, n))
+        return out
+
     def configuration_of(self, url: str) -> str | None:
         """The id of the configuration `url` was last verified with (None: unverified)."""
         return self._config_of.get(url)

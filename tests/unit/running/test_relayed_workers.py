@@ -259,6 +259,8 @@ async def test_a_run_through_a_gateway_whose_workers_only_it_reaches(tmp_path: P
     assert set(records) == set(workers)
     assert all(r["verified"] and r["kv_dtype"] == "bfloat16" for r in records.values())
     assert hits["/engine_metrics"] >= 2  # verification (one per worker) and load polls
+    # The gateway's /v1/models does not say the context: its workers' labels did.
+    assert manifest["context"]["tokens"] == 1024
     assert any("does not answer on its own URL" in e for e in run["events"])
     assert not any("refuses" in e or "leaves" in e for e in run["events"]), run["events"]
     assert sum(f"load from vllm /metrics via {gateway}/engine_metrics" in e
