@@ -22,7 +22,8 @@ from draftgen.servers.engines.base import Engine
 from draftgen.servers.engines.load import Reading, ServerLoad, server_load
 from draftgen.servers.gateway_metrics import ENGINE_METRICS_PATH, worker_readings
 
-# A read of the page this recent serves a poll that comes after it.
+# A read of the page this recent serves a poll that comes after it (at most: the monitor
+# asks for half its poll interval where that is shorter).
 FRESH_S = 0.25
 
 
@@ -30,8 +31,9 @@ class GatewayLoads:
     """One gateway's `/engine_metrics`, read at most once per poll round."""
 
     def __init__(self, session: aiohttp.ClientSession, gateway: str, *, clock: Clock,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, fresh_s: float = FRESH_S) -> None:
         self.gateway = gateway.rstrip("/")
+        self._fresh_s = fresh_s
         self._session = session
         self._clock = clock
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -43,7 +45,7 @@ class GatewayLoads:
 
     async def read(self) -> None:
         """The page as of this round: joins a read in flight, reuses a fresh one."""
-        stale = self._clock.monotonic() - self.at >= FRESH_S
+        stale = self._clock.monotonic() - self.at >= self._fresh_s
         if self._read is None or (self._read.done() and stale):
             self._read = asyncio.ensure_future(self._fetch())
         # One poller cancelled (its monitor stopping) must not cancel the others' read.

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import orjson
 
-from draftgen.client.gateway_load import GatewayLoads, RelayedPoller
+from draftgen.client.gateway_load import FRESH_S, GatewayLoads, RelayedPoller
 from draftgen.client.http import Session, open_session
 from draftgen.client.load import LoadPoller
 from draftgen.clock import Clock
@@ -102,7 +102,8 @@ class RunMonitor:
                 loads = self._gateway_loads.get(route.gateway)
                 if loads is None:
                     loads = self._gateway_loads[route.gateway] = GatewayLoads(
-                        self._session, route.gateway, clock=self._clock)
+                        self._session, route.gateway, clock=self._clock,
+                        fresh_s=min(FRESH_S, self._interval_s / 2))
                 poller = RelayedPoller(loads, server.url, log=self._log)
             else:
                 poller = LoadPoller(self._session, server.url, clock=self._clock,
