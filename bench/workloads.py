@@ -21,7 +21,9 @@ ratios. Also `kv10`: the mean KV usage the engine reports in the run's first 10 
 
 Usage: python bench/workloads.py [--shapes longtail constant ...] [--sizes cache slots]
        [--repeats 2] [--prompts 240] [--settings adaptive 150/32 c=16 c=32 c=64]
-Settings as in bench/scheduling.py (`adaptive@NAME=VALUE` changes adaptive's constants).
+Settings as in bench/scheduling.py (`adaptive@NAME=VALUE` changes adaptive's constants);
+`adaptive@poll=S` runs adaptive with the job's `poll_interval_s` at S (default
+`--poll-interval`), so poll intervals compare paired, in one run, against the same statics.
 """
 
 from __future__ import annotations
@@ -113,8 +115,21 @@ def fixed_lengths() -> Iterator[None]:
         yield
 
 
+def split_poll(setting: str) -> tuple[str, float]:
+    """`adaptive@poll=2,NAME=V` -> (`adaptive@NAME=V`, 2.0); no `poll=`: the default."""
+    name, _, changes = setting.partition("@")
+    poll, rest = POLL_INTERVAL_S, []
+    for change in filter(None, changes.split(",")):
+        if change.startswith("poll="):
+            poll = float(change.removeprefix("poll="))
+        else:
+            rest.append(change)
+    return (f"{name}@{','.join(rest)}" if rest else name), poll
+
+
 def write_job(tmp: Path, url: str, shape_name: str, n: int, setting: str,
               cap: int | None = None) -> Path:
+    setting, poll = split_poll(setting)
     shape = SHAPES[shape_name]
     rng = random.Random(shape_name)
     cats = []
@@ -154,7 +169,7 @@ partitions:
 categories:
 {chr(10).join(cats)}
 progress_interval_s: 100000
-poll_interval_s: {POLL_INTERVAL_S}
+poll_interval_s: {poll}
 """)
     return job
 
@@ -171,7 +186,7 @@ async def engine(size: str) -> AsyncIterator[str]:
 
 
 async def measure(url: str, shape: str, n: int, setting: str) -> dict[str, float]:
-    with variant(setting), fixed_lengths(), tempfile.TemporaryDirectory() as d:
+    with variant(split_poll(setting)[0]), fixed_lengths(), tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         out = tmp / "out"
         if shape == "restart":  # the first half, by the same setting, not measured

@@ -36,12 +36,16 @@ that have not begun to answer (`UNANSWERED`): each first token lets one more go.
 burst then reaches the server as fast as it prefills, instead of all at once, and what waits
 there when its limit is reached is a handful, not the whole overshoot.
 
-Every rule is paced by the clock of the readings (`ServerLoad.at`), not by their count, so a
-poll interval of 0.5 s, 1 s or 5 s ramps, cools down and learns at the same speed: the fast
-start and the push-up grow the target by a rate per second (their step per
-`STEP_EVERY_S`, compounded over the time since the last reading), a back-off settles and
-cools down for a number of seconds, and a running limit needs its evidence held for
-`SLOT_EVIDENCE_S` over at least two readings.
+Every rule is paced by the clock of the readings (`ServerLoad.at`), not by their count: the
+fast start grows the target by a rate per second (its step per `STEP_EVERY_S`, compounded
+over the time since the last reading); a back-off settles and cools down for a number of
+seconds and is as strong per second of evidence whatever the interval (one reading 2 s
+after the last backs off as four 0.5 s apart would); a running limit needs its evidence held
+for `SLOT_EVIDENCE_S` over at least two readings. The one rule a reading bounds is the
+push-up: at most one step a reading, because between two readings the scheduler is blind —
+compounded over a 2 s interval it raised the target ×1.22 at once and the server paid for it
+in preemptions before the next reading could show them (bench/RESULTS.md, "Poll interval").
+So a longer interval recovers from a back-off more slowly, and never overshoots more.
 """
 
 from __future__ import annotations
@@ -84,8 +88,10 @@ COOL_DOWN_S = 2.5
 # Seconds after a back-off before preemptions count again: what was admitted before it
 # still has to finish, so the next reading often shows the same excess.
 SETTLE_S = 1.0
-# The fast start's and the push-up's steps are per this many seconds of readings (the
-# bench's poll interval, where they were measured), compounded over the time between two.
+# The steps of the fast start and the push-up, and the back-offs, are per this many seconds
+# of readings (the bench's poll interval, where they were measured): the fast start and the
+# back-offs compound over the time between two readings, the push-up makes one step a
+# reading at most.
 STEP_EVERY_S = 0.5
 # Fast start: until lengths are learned, the target rises by this much every STEP_EVERY_S
 # while the server's KV usage reads under FAST_START_KV with no queue and no preemption.
@@ -130,6 +136,14 @@ class _Reading:
     at_target: bool  # the projection is at its target: the client is the limit
     calm_s: float  # seconds since the last back-off
     steps: float  # the time since the last reading, in STEP_EVERY_S
+
+    @property
+    def preempt_steps(self) -> float:
+        """Back-offs a preemption excess seen now is worth: one per SETTLE_S +
+        STEP_EVERY_S of evidence (the fastest the 0.5 s bench interval backs off), over the
+        time it built up since the last back-off or the reading before."""
+        evidence = min(self.calm_s, SETTLE_S + self.steps * STEP_EVERY_S)
+        return max(1.0, evidence / (SETTLE_S + STEP_EVERY_S))
 
 
 class AdaptiveScheduler(Scheduler):
@@ -297,7 +311,7 @@ class AdaptiveScheduler(Scheduler):
         if c.preempted <= PREEMPT_OK * c.finished + PREEMPT_SLACK:
             return False
         if r.calm_s > SETTLE_S:
-            self._set(url, c, c.factor * BACK_OFF_PREEMPT,
+            self._set(url, c, c.factor * BACK_OFF_PREEMPT ** r.preempt_steps,
                       f"{c.preempted} preemption(s)/retraction(s) for {c.finished} "
                       "request(s) finished")
             c.backed_off_at = r.load.at
@@ -308,7 +322,7 @@ class AdaptiveScheduler(Scheduler):
         """The server queue grows: back off."""
         if not r.growing:
             return False
-        self._set(url, c, c.factor * BACK_OFF_QUEUE,
+        self._set(url, c, c.factor * BACK_OFF_QUEUE ** max(1.0, r.steps),
                   f"server queue growing: {r.load.waiting} waiting")
         c.backed_off_at = r.load.at
         c.fast = False
@@ -340,7 +354,7 @@ class AdaptiveScheduler(Scheduler):
                      or (load.kv_usage is not None and load.kv_usage < KV_TARGET))):
             return False
         usage = "unknown" if load.kv_usage is None else f"{load.kv_usage:.0%}"
-        self._set(url, c, c.factor * PUSH_UP ** r.steps,
+        self._set(url, c, c.factor * PUSH_UP ** min(1.0, r.steps),
                   f"at target, server queue {load.waiting or 0}, KV usage {usage}")
         return True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import deque
 
 import pytest
@@ -579,3 +580,40 @@ def test_the_rules_run_on_seconds_whatever_the_poll_interval(interval: float) ->
     sched.on_load(server, load("a", preempt=preempt + 50, waiting=1, at=t + interval))
     assert sched.targets()["a"] < once
 
+
+
+@pytest.mark.parametrize("interval", [0.5, 1.0, 2.0])
+def test_back_offs_are_as_strong_per_second_and_a_push_up_is_one_step_a_reading(
+        interval: float) -> None:
+    # A queue growing for `interval` seconds backs off as much as it would, read every
+    # STEP_EVERY_S, over the same seconds.
+    sched, server, _ = full()
+    t = sched.control("a").last_at
+    assert t is not None
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK, usage=1.0, at=t + interval))
+    sched.on_load(server, load("a", waiting=adaptive.QUEUE_OK + 9, usage=1.0,
+                               at=t + 2 * interval))
+    steps = max(1.0, interval / adaptive.STEP_EVERY_S)
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.BACK_OFF_QUEUE ** steps)
+    # Preemptions outrunning what finished for 6 s back off about as much read at any
+    # interval as read every STEP_EVERY_S (4 steps there; counted a reading, 2 s readings
+    # made 3).
+    def backed_off_steps(every: float) -> float:
+        sched, server, _ = full()
+        t0 = sched.control("a").last_at
+        assert t0 is not None
+        for k in range(1, int(6.0 / every) + 1):
+            sched.on_load(server, load("a", preempt=50 * k, waiting=1, at=t0 + every * k))
+        return math.log(sched.targets()["a"] / 1000.0) / math.log(adaptive.BACK_OFF_PREEMPT)
+
+    assert backed_off_steps(interval) == pytest.approx(
+        backed_off_steps(adaptive.STEP_EVERY_S), abs=0.7)
+    # Calm, at target, lengths learned: one reading after any interval pushes up one step.
+    sched, server, _ = full()
+    learn(sched, [400] * lengths.MIN_SAMPLES)
+    for i in range(adaptive.PUSH_EVIDENCE):
+        sched.ended(sample(100 + i), server, 400)
+    t = sched.control("a").last_at
+    assert t is not None
+    sched.on_load(server, load("a", waiting=0, usage=0.6, at=t + interval))
+    assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.PUSH_UP)
