@@ -226,10 +226,10 @@ def _serve_gateway(profile: GatewayProfile, dry_run: bool, restart: bool, timeou
                   f"{alive} of {len(record.workers)} workers); use --restart, or --stop",
                   file=err)
             return 1
-        workers = profile.workers_in(profile.state_path)
         verified = []
-        for worker in workers:
-            handle = running(worker)
+        # The same hash: the same workers, in the same order (their names may differ).
+        for folder, worker in zip(record.workers, profile.workers_in(record.dir), strict=True):
+            handle = running(folder)
             assert handle is not None, "workers_alive counted it"
             verified.append(verify(handle, worker))
         _report_gateway(record, verified, out, note="already running")
