@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -155,51 +152,6 @@ def test_tokenize_endpoint_counts_like_tokenizer_json(
     bare = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     assert reply["tokens"] == bare.encode(text).ids
     assert reply["max_model_len"] == 4096
-
-
-def _get(url: str, timeout_s: float) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
-        text: str = response.read().decode()
-    return text
-
-
-def test_lifecycle_small_cache_suspend_resume_kill(
-    engine_installed: None, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    engine = LocalEngine(
-        tiny_model_dir,
-        num_gpu_blocks_override=16,
-        max_model_len=1024,
-        log_path=tmp_path / "vllm.log",
-    )
-    assert engine.pid is None
-    engine.start()
-    try:
-        pgid = engine.pid
-        assert pgid is not None
-        metrics = _get(f"{engine.url}/metrics", 10)
-        info = re.search(r"^vllm:cache_config_info\{(.*)\}", metrics, re.MULTILINE)
-        assert info is not None
-        assert 'num_gpu_blocks="16"' in info.group(1)
-        assert 'kv_cache_size_tokens="2048"' in info.group(1)
-
-        engine.suspend()
-        with pytest.raises((TimeoutError, urllib.error.URLError)):
-            _get(f"{engine.url}/health", 2)
-        engine.resume()
-        assert _get(f"{engine.url}/health", 30) == ""
-
-        engine.kill()
-        assert engine.pid is None
-        with pytest.raises(ProcessLookupError):
-            os.killpg(pgid, 0)
-        with (
-            pytest.raises(ConnectionRefusedError),
-            socket.create_connection(("127.0.0.1", engine.port), timeout=5),
-        ):
-            pass
-    finally:
-        engine.stop()
 
 
 def test_start_failure_reports_the_engine_log(engine_installed: None, tmp_path: Path) -> None:

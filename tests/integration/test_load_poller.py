@@ -63,6 +63,14 @@ async def test_capacity_matches_the_engine_and_an_idle_engine_reads_zero(
     assert load.source == "vllm /metrics"
     assert load.missing == ()
     assert load.kv_capacity_tokens == logged_kv_tokens(small_engine) == 2048
+    # The engine states its cache in its own metrics too (what verification reads).
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"{small_engine.url}/metrics") as r:
+        metrics = await r.text()
+    info = re.search(r"^vllm:cache_config_info\{(.*)\}", metrics, re.MULTILINE)
+    assert info is not None
+    assert f'num_gpu_blocks="{BLOCKS}"' in info.group(1)
+    assert 'kv_cache_size_tokens="2048"' in info.group(1)
     assert (load.running, load.waiting, load.kv_used_tokens, load.kv_usage) == (0, 0, 0, 0.0)
     assert logs == [f"{small_engine.url}: load from vllm /metrics"]
 

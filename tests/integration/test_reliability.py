@@ -11,8 +11,11 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,6 +107,7 @@ def test_engine_killed_and_restarted_twice_mid_run(
     engine_installed: None, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     engine = LocalEngine(tiny_model_dir, log_path=tmp_path / "engine.log")
+    assert engine.pid is None
     engine.start()
     job = job_file(tmp_path, engine.url, n=240, max_tokens=64, conc=16)
     out = tmp_path / "out"
@@ -112,7 +116,16 @@ def test_engine_killed_and_restarted_twice_mid_run(
     try:
         for threshold in (60, 150):
             wait_for(lambda t=threshold: ledger_lines(out) >= t)
+            pgid = engine.pid
+            assert pgid is not None
             engine.kill()
+            # Killed as a crash would: the whole group at once, the port closed.
+            assert engine.pid is None
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pgid, 0)
+            with (pytest.raises(ConnectionRefusedError),
+                  socket.create_connection(("127.0.0.1", engine.port), timeout=5)):
+                pass
             time.sleep(2)
             engine = LocalEngine(tiny_model_dir, port=engine.port,
                                  log_path=tmp_path / f"engine-{threshold}.log")
@@ -141,7 +154,10 @@ def test_a_hung_engine_is_caught_by_the_watchdog(local_engine: LocalEngine,
     try:
         wait_for(lambda: ledger_lines(out) >= 30)
         local_engine.suspend()
-        time.sleep(8)
+        # Frozen: connections open, nothing answers.
+        with pytest.raises((TimeoutError, urllib.error.URLError)):
+            urllib.request.urlopen(f"{local_engine.url}/health", timeout=2)
+        time.sleep(6)
     finally:
         local_engine.resume()
     stdout, stderr = run.communicate(timeout=600)
