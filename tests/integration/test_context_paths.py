@@ -5,26 +5,28 @@
 - a later turn of `multi_turn: all` carries the answers so far, which no plan-time count
   includes: before it is sent it is reckoned from the engine's usage of the turn before;
   one that cannot fit ends its chain with the turns that did (before: the engine refused it
-  and the whole sample, first turn included, was a failure).
-
-- a later turn that fits only with a shorter answer is sent with the room reckoned for it.
-  The tiny model's own answers, sent back as text, re-tokenise to 1.5-2.5x their count, so
-  here every answer is held to one token ("7", a token a digit: it re-tokenises exactly)
-  and the room is known. vLLM 0.32 clamps an answer that would pass the context by itself,
-  where SGLang refuses it: SGLang's words are tested with the server's usage scripted
-  (tests/unit/running/test_context_turns.py).
+  and the whole sample, first turn included, was a failure);
+- a later turn that fits only with a shorter answer is sent with the room reckoned for it
+  (every answer held to the token "7", so its length is known). vLLM 0.32 clamps an answer
+  that would pass the context by itself, where SGLang refuses it: SGLang's words are tested
+  with the server's usage scripted (tests/unit/running/test_context_turns.py).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import orjson
 from test_pipeline import draftgen, shard_records
 
 from draftgen.engine import LocalEngine
-from draftgen.running.context import CHARS_PER_TOKEN_AT_MOST, TEMPLATE_TOKENS
+from draftgen.running.context import (
+    CHARS_PER_TOKEN_AT_MOST,
+    MIN_ANSWER_TOKENS,
+    TEMPLATE_TOKENS,
+)
 
 
 def write_job(tmp: Path, url: str, rows: list[dict[str, object]], *, max_tokens: int,
@@ -64,56 +66,57 @@ def test_a_tokenizers_count_near_the_limit_is_settled_by_the_engine(
     assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
 
 
+# A truncated answer ends its chain whatever the room, so a first answer here must stop:
+# every token is "7" and 300 of them are a stop string (left out of the text, counted in
+# the usage); a later answer shorter than that runs to its max_tokens.
+STOPS_AT_300 = f', logit_bias: {{"25": 100}}, stop: ["{"7" * 300}"]'
+
+
+def chat(second_user_turn: str) -> list[dict[str, object]]:
+    return [{"id": 1, "messages": [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "1 2 3"},
+        {"role": "user", "content": second_user_turn},
+        {"role": "assistant", "content": "done"},
+    ]}]
+
+
+def reckoned_room(first: dict[str, Any], user_text: str, context: int) -> int:
+    return context - (first["prompt_tokens"] + first["completion_tokens"] + TEMPLATE_TOKENS
+                      + math.ceil(len(user_text) / CHARS_PER_TOKEN_AT_MOST))
+
+
 def test_a_later_turn_that_cannot_fit_ends_the_chain_with_what_did(
     local_engine: LocalEngine, tmp_path: Path
 ) -> None:
-    conversation = [
-        {"role": "user", "content": "Count to ten."},
-        {"role": "assistant", "content": "1 2 3"},
-        {"role": "user", "content": "7" * 2600},  # with the first answer: over 4,096
-        {"role": "assistant", "content": "done"},
-    ]
-    job = write_job(tmp_path, local_engine.url, [{"id": 1, "messages": conversation}],
-                    max_tokens=1600, extra="multi_turn: all\n")
+    words = " ".join(["way"] * 3000)  # counted as 4,000: with the first turn, over 4,096
+    job = write_job(tmp_path, local_engine.url, chat(words), max_tokens=1000,
+                    extra="multi_turn: all\nover_context: shorten\n", bias=STOPS_AT_300)
     ran = draftgen("run", str(job))
     assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    out = tmp_path / "out"
-    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
-    [record] = shard_records(out)
-    # The plan fitted the first request to every user turn; the answer it allowed then
-    # leaves no room for the second turn, which ends the chain, kept.
-    assert len(record["turns"]) == 1
-    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
-
+    [record] = shard_records(tmp_path / "out")
+    # The first turn ended on its own; the second had no room: the chain ends, kept.
+    [first] = record["turns"]
+    assert first["finish_reason"] == "stop" and first["content"] == ""
+    assert reckoned_room(first, words, local_engine.max_model_len) < MIN_ANSWER_TOKENS
 
 
 def test_a_later_turn_is_shortened_to_the_room_its_answers_leave(
     local_engine: LocalEngine, tmp_path: Path
 ) -> None:
-    words = " ".join(["way"] * 1800)  # ~1,800 tokens, counted as 2,400 (characters / 3)
-    conversation = [
-        {"role": "user", "content": "Count."},
-        {"role": "assistant", "content": "1 2 3"},
-        {"role": "user", "content": words},
-        {"role": "assistant", "content": "done"},
-    ]
-    job = write_job(tmp_path, local_engine.url, [{"id": 1, "messages": conversation}],
-                    max_tokens=1500, extra="multi_turn: all\nover_context: shorten\n",
-                    bias=', logit_bias: {"25": 100}')  # every answer token is "7"
+    words = " ".join(["way"] * 2700)  # 2,700 tokens, counted as 3,600 (characters / 3)
+    job = write_job(tmp_path, local_engine.url, chat(words), max_tokens=1000,
+                    extra="multi_turn: all\nover_context: shorten\n", bias=STOPS_AT_300)
     ran = draftgen("run", str(job))
     assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
     [record] = shard_records(tmp_path / "out")
     first, second = record["turns"]
-    assert first["completion_tokens"] == 1500  # the plan left the first turn whole
-    assert set(first["content"]) == {"7"}
-    # The first answer came back as 1,500 tokens of prompt, and the user turn's ~1,800.
-    assert second["prompt_tokens"] >= first["prompt_tokens"] + 1500 + 1800
-    room = local_engine.max_model_len - (
-        first["prompt_tokens"] + first["completion_tokens"] + TEMPLATE_TOKENS
-        + math.ceil(len(words) / CHARS_PER_TOKEN_AT_MOST))
-    assert 0 < room < 1500
-    # Sent with the room reckoned for it (not 1,500: that would pass the context), and
-    # answered to the end of it, inside the context.
+    assert first["finish_reason"] == "stop" and first["content"] == ""
+    room = reckoned_room(first, words, local_engine.max_model_len)
+    assert MIN_ANSWER_TOKENS <= room < 300
+    # Sent with the room reckoned for it (1,000 would pass the context) and answered to
+    # the end of it, inside the context: the engine did not have to clamp it.
+    assert second["prompt_tokens"] >= first["prompt_tokens"] + 2700
     assert second["completion_tokens"] == room
     assert second["finish_reason"] == "length"
-    assert second["prompt_tokens"] + second["completion_tokens"] <= local_engine.max_model_len
+    assert second["prompt_tokens"] + room < local_engine.max_model_len

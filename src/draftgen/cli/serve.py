@@ -75,8 +75,9 @@ def serve(
             assert isinstance(server, ServerProfile)
             stamp = check_profile(server)
             if stamp:
+                who = f"{server.server_name}: " if gateway is not None else ""
                 print(
-                    f"warning: {server.server_name}: lossy KV cache {stamp['kv_cache_dtype']} "
+                    f"warning: {who}lossy KV cache {stamp['kv_cache_dtype']} "
                     "allowed by the profile's quality override; every run manifest using this "
                     "server records it",
                     file=err,
