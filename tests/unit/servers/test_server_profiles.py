@@ -79,8 +79,11 @@ def test_vllm_golden_argv_for_the_local_cpu_example() -> None:
         "--max-num-seqs", "8",
         "--max-model-len", "4096",
         "--enforce-eager", "--disable-uvicorn-access-log",
+        "--distributed-executor-backend", "uni",
     ]  # fmt: skip
-    assert engine_for("vllm").env(profile)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    env = engine_for("vllm").env(profile)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # with `uni`: one process fewer
     assert profile.state_path == default_state_dir() / "local-cpu"
 
 
