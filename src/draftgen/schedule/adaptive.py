@@ -17,9 +17,10 @@ it backs off when preemptions/retractions outrun a small share of the requests f
 slot loses whole decode steps) or when the server queue grows, and pushes up while the
 client is the limit (the projection is at its target) yet the server's queue is dry and its
 KV usage below target. A short queue at the server is welcome: it refills a slot the moment
-one frees. A queue while the cache clearly has room (on consecutive readings) means the
-server's own limit on running requests binds instead; that limit is learned from the
-readings and caps what is sent. A queue with the cache full is no evidence of one.
+one frees. A queue while the cache clearly has room (on consecutive readings, and room
+for the largest prompt waiting) means the server's own limit on running requests binds
+instead; that limit is learned from the readings and caps what is sent. A queue with the
+cache full, or too full for the prompt that waits, is no evidence of one.
 
 Partitions compete by when they would finish: the one whose queue, at its current number
 of requests in flight, would take longest to drain, plus the length of its longest answers
@@ -41,8 +42,9 @@ fast start grows the target by a rate per second (its step per `STEP_EVERY_S`, c
 over the time since the last reading); a back-off settles and cools down for a number of
 seconds and is as strong per second of evidence whatever the interval (one reading 2 s
 after the last backs off as four 0.5 s apart would); a running limit needs its evidence held
-for `SLOT_EVIDENCE_S` over at least two readings. The one rule a reading bounds is the
-push-up: at most one step a reading, because between two readings the scheduler is blind —
+for `SLOT_EVIDENCE_S` over at least two readings, at the most the server ran in the last
+`SLOT_WINDOW_S`. The one rule a reading bounds is the push-up: at most one step a reading,
+because between two readings the scheduler is blind —
 compounded over a 2 s interval it raised the target ×1.22 at once and the server paid for it
 in preemptions before the next reading could show them (bench/RESULTS.md, "Poll interval").
 So a longer interval recovers from a back-off more slowly, and never overshoots more.
@@ -50,8 +52,9 @@ So a longer interval recovers from a back-off more slowly, and never overshoots 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from draftgen.sample import Sample
 from draftgen.schedule.base import Flight, PartitionView, Scheduler
@@ -77,6 +80,10 @@ SLOT_QUEUE = 1
 SLOT_EVIDENCE_KV = 0.80
 SLOT_READINGS = 2
 SLOT_EVIDENCE_S = 0.5
+# ... and only at the most the server ran over this many seconds of readings: a server whose
+# queue waits for its per-step token budget (long prompts being prefilled) runs a count that
+# comes and goes, a limit holds it as a ceiling.
+SLOT_WINDOW_S = 5.0
 # Requests on a server that have not begun to answer (waiting or in prefill) at most.
 UNANSWERED = 16
 # Requests finished under the current target before it may rise: what a change does shows
@@ -119,6 +126,7 @@ class _ServerControl:
     slot_evidence: int = 0  # readings in a row: a queue, room in the cache, `slot_running`
     slot_since: float = 0.0  # the first of them
     slot_running: int = 0
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (at, running) lately
     fast: bool = True  # fast start: until the first back-off
 
     @property
@@ -377,14 +385,20 @@ class AdaptiveScheduler(Scheduler):
         if c.max_running is not None and running > c.max_running:
             c.max_running = running
             return
+        c.recent.append((load.at, running))
+        while c.recent[0][0] < load.at - SLOT_WINDOW_S:
+            c.recent.popleft()
         # Evidence of a limit is a queue while the cache is clearly not full (a request
         # waits for blocks long before usage reads 100%), seen on consecutive readings
         # (a queue the engine clears within a step is no limit). A full cache queues too:
         # that is the cache binding, which the KV target handles.
-        clear = (room and load.kv_usage is not None and load.kv_usage <= SLOT_EVIDENCE_KV
-                 and waiting > QUEUE_OK and running > 0)
+        # Room is room for what waits: a cache of a few long prompts queues the next one
+        # at any usage short of a whole prompt's worth.
+        fits = self._waiting_fits(url, c, load)
+        clear = (room and fits and load.kv_usage is not None
+                 and load.kv_usage <= SLOT_EVIDENCE_KV and waiting > QUEUE_OK and running > 0)
         if not clear:
-            if waiting > QUEUE_OK and c.slot_evidence and not room:
+            if waiting > QUEUE_OK and c.slot_evidence and not (room and fits):
                 self._log(f"{url}: {waiting} waiting with KV usage {load.kv_usage or 0:.0%}: "
                           "the cache binds, not a running limit")
             c.slot_evidence = 0
@@ -396,11 +410,20 @@ class AdaptiveScheduler(Scheduler):
             c.slot_evidence, c.slot_since = 1, load.at
         c.slot_running = running
         held = load.at - c.slot_since >= SLOT_EVIDENCE_S
-        if c.slot_evidence >= SLOT_READINGS and held and running != c.max_running:
+        ceiling = running >= max(n for _, n in c.recent)
+        if c.slot_evidence >= SLOT_READINGS and held and ceiling and running != c.max_running:
             c.max_running = running
             self._log(f"{url}: runs at most {running} requests at once ({waiting} waiting "
                       f"with KV usage {load.kv_usage:.0%}, {c.slot_evidence} readings in a "
                       f"row); sending at most {running + SLOT_QUEUE}")
+
+    def _waiting_fits(self, url: str, c: _ServerControl, load: ServerLoad) -> bool:
+        """Whether the cache's free part holds the largest prompt sent and not yet
+        answered (any of them may be the one the server queues); unknown: yes."""
+        if c.capacity is None or load.kv_usage is None:
+            return True
+        largest = max((f.sample.prompt_tokens for f in self._unanswered(url)), default=0)
+        return c.capacity * (1.0 - load.kv_usage) >= -(-largest // c.block) * c.block
 
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:
         factor = min(FACTOR_MAX, max(FACTOR_MIN, factor))

@@ -617,3 +617,62 @@ def test_back_offs_are_as_strong_per_second_and_a_push_up_is_one_step_a_reading(
     assert t is not None
     sched.on_load(server, load("a", waiting=0, usage=0.6, at=t + interval))
     assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.PUSH_UP)
+
+
+
+
+def long_prompts(prompt: int, n: int) -> tuple[AdaptiveScheduler, ServerState, list[str]]:
+    """A cache of 8,192 tokens, `n` prompts of `prompt` tokens sent, none answering yet."""
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append, initial_factor=2.0)
+    server = ServerState("a")
+    sched.on_load(server, load("a", capacity=8192, running=0, at=0.0))
+    q = Queues(sched, {"main": (n, [sample(i, "main", prompt=prompt, max_tokens=64)
+                                    for i in range(n)])})
+    assert len(q.fill([server], answer=False)) == n
+    return sched, server, logs
+
+
+def test_a_queue_of_prompts_the_free_cache_cannot_hold_is_no_running_limit() -> None:
+    """3 running, 4 waiting, KV usage 76% on readings in a row — under the 80% rule, yet
+    the 1,966 tokens free hold none of the 2,000-token prompts that wait: the cache binds."""
+    sched, server, logs = long_prompts(2000, 7)
+    for k in range(4):
+        sched.on_load(server, load("a", capacity=8192, running=3, waiting=4, usage=0.76,
+                                   at=1.0 + k))
+    assert sched.control("a").max_running is None, logs
+    # With room for the largest prompt that waits, the same queue is a limit.
+    for k in range(adaptive.SLOT_READINGS):
+        sched.on_load(server, load("a", capacity=8192, running=3, waiting=4, usage=0.70,
+                                   at=5.0 + k))
+    assert sched.control("a").max_running == 3
+
+
+# (running, waiting, KV usage) every 0.5 s, as the local engine read in the workload suite's
+# prefill shape at cache size (prompts of 800-1,400 tokens, 8,192 KV tokens, 2,048 tokens a
+# step) before adaptive learned a limit of 5 from it.
+PREFILL_BOUND = [(6, 1, 0.84), (5, 0, 0.73), (4, 1, 0.59), (5, 0, 0.75), (5, 1, 0.7),
+                 (5, 2, 0.76), (7, 1, 0.98), (6, 0, 0.81), (5, 2, 0.73), (5, 2, 0.73),
+                 (6, 1, 0.84), (6, 2, 0.83), (6, 1, 0.83), (6, 2, 0.78), (5, 2, 0.73),
+                 (6, 3, 0.87), (5, 3, 0.68), (6, 3, 0.83), (5, 2, 0.71), (5, 2, 0.78),
+                 (5, 3, 0.84), (5, 3, 0.78), (4, 4, 0.6), (5, 4, 0.75), (5, 4, 0.73)]
+
+
+@pytest.mark.parametrize("poll_s", [0.5, 1.0, 2.0])
+def test_a_queue_for_the_prefill_budget_is_no_running_limit(poll_s: float) -> None:
+    """The server prefills as fast as its token budget lets it and queues the rest with
+    room in its cache, running 4 to 7 as prompts come and go. Two readings alike (5 running,
+    4 waiting, KV 73-75%) made a limit of 5, at every poll interval. A limit is a ceiling:
+    a count under what the server ran in the last seconds is none."""
+    sched, server, logs = long_prompts(1100, 10)
+    every = round(poll_s / 0.5)
+    for k, (running, waiting, usage) in enumerate(PREFILL_BOUND[::every]):
+        sched.on_load(server, load("a", capacity=8192, running=running, waiting=waiting,
+                                   usage=usage, at=1.0 + k * poll_s))
+    assert sched.control("a").max_running is None, logs
+    # Held at the top of what it ran, a window long: a limit.
+    start = 1.0 + len(PREFILL_BOUND) * 0.5
+    for k in range(int(adaptive.SLOT_WINDOW_S / poll_s) + 1):
+        sched.on_load(server, load("a", capacity=8192, running=5, waiting=5, usage=0.70,
+                                   at=start + k * poll_s))
+    assert sched.control("a").max_running == 5
