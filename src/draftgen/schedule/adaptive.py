@@ -83,7 +83,7 @@ SLOT_EVIDENCE_S = 0.5
 # ... and only at the most the server ran over this many seconds of readings: a server whose
 # queue waits for its per-step token budget (long prompts being prefilled) runs a count that
 # comes and goes, a limit holds it as a ceiling.
-SLOT_WINDOW_S = 5.0
+SLOT_WINDOW_S = 10.0
 # Requests on a server that have not begun to answer (waiting or in prefill) at most.
 UNANSWERED = 16
 # Requests finished under the current target before it may rise: what a change does shows
