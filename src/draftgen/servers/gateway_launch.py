@@ -40,6 +40,7 @@ from draftgen.servers.launcher import (
     launch,
     read_handle,
     running,
+    state_record,
     stop,
 )
 from draftgen.servers.policy import check_profile
@@ -313,15 +314,6 @@ def restart_gateway(profile: GatewayProfile, **launch_options: Any
 def _write_state(record: GatewayRecord, status: str, profile: GatewayProfile | None = None
                  ) -> None:
     path = record.dir / STATE_FILE
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
-    if data.get("gateway", {}).get("pid") != record.pid:
-        data = {}
-    data.update({"gateway": record.to_json(), "status": status, f"{status}_at": time.time()})
-    if profile is not None:
-        data["profile"] = profile.model_dump(mode="json")
-        data["profile_file"] = str(profile.source_file) if profile.source_file else None
+    data = state_record(path, "gateway", record.to_json(), status, profile)
     record.dir.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data, indent=2).encode())

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftgen.errors import DraftgenError, redact
 from draftgen.servers import keys
@@ -49,6 +49,9 @@ from draftgen.servers.process import (
 from draftgen.servers.profile import ServerProfile, profile_hash
 from draftgen.servers.summary import summary_line
 from draftgen.store.atomic import write_atomic
+
+if TYPE_CHECKING:
+    from draftgen.servers.gateway_profile import GatewayProfile
 
 LOG_FILE = "server.log"
 PID_FILE = "server.pid"
@@ -387,25 +390,30 @@ def last_info(
         return None
 
 
-def _write_state(
-    handle: ServerHandle, status: str, *, profile: ServerProfile | None = None
-) -> None:
-    path = handle.dir / STATE_FILE
+def state_record(path: Path, key: str, entry: dict[str, Any], status: str,
+                 profile: ServerProfile | GatewayProfile | None) -> dict[str, Any]:
+    """What a launched process's state file says next: the one there, if it is this pid's
+    (`entry["pid"]` under `key`), with `entry`, `status` and its time, and the profile."""
+    record: dict[str, Any]
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError):
         record = {}
-    if record.get("handle", {}).get("pid") != handle.pid:
+    if record.get(key, {}).get("pid") != entry.get("pid"):
         record = {}
-    record["handle"] = handle.to_json()
-    record["status"] = status
-    record[f"{status}_at"] = time.time()
+    record.update({key: entry, "status": status, f"{status}_at": time.time()})
     if profile is not None:
         record["profile"] = profile.model_dump(mode="json")
         record["profile_file"] = str(profile.source_file) if profile.source_file else None
-    write_atomic(path, keys.redacted_json(record, (*handle.secrets, *(
-        keys.launch_secrets(profile) if profile is not None else ()))))
+    return record
 
+
+def _write_state(
+    handle: ServerHandle, status: str, *, profile: ServerProfile | None = None
+) -> None:
+    record = state_record(handle.dir / STATE_FILE, "handle", handle.to_json(), status, profile)
+    write_atomic(handle.dir / STATE_FILE, keys.redacted_json(record, (*handle.secrets, *(
+        keys.launch_secrets(profile) if profile is not None else ()))))
 
 
 def _round(v: float | None) -> float | None:
