@@ -77,10 +77,11 @@ async def capture_server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
 
 
 @asynccontextmanager
-async def serving(path: str, handler: Any) -> AsyncIterator[str]:
-    """POST `path` answered by `handler` on 127.0.0.1; the base URL."""
+async def serving(path: str, handler: Any, *more: tuple[str, Any]) -> AsyncIterator[str]:
+    """POST `path` answered by `handler` (and each of `more`) on 127.0.0.1; the base URL."""
     app = web.Application()
-    app.router.add_post(path, handler)
+    for route, answer in ((path, handler), *more):
+        app.router.add_post(route, answer)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -161,10 +162,12 @@ async def test_vllm_accepts_the_body(vllm_oracle: Oracle, vllm_body: dict[str, A
     assert not set(engine_for("sglang").token_id_fields) & set(vllm_body)
 
 
-async def tokenize_bodies(refuse_messages: bool) -> tuple[int | None, list[dict[str, Any]]]:
-    """What `client.context.prompt_tokens` POSTs to /tokenize, and the count it makes of
-    the answers: a server that refuses a `messages` body (422, as SGLang 0.5.9's model
-    does) is asked again with text."""
+async def tokenize_bodies(refuse_messages: bool, chat_status: int = 200
+                          ) -> tuple[int | None, list[dict[str, Any]]]:
+    """What `client.context.prompt_tokens` POSTs (to /tokenize, then a one-token chat
+    completion where no /tokenize counts the template), and the count it makes of the
+    answers: a server that refuses a `messages` body (422, as SGLang 0.5.9's model does) is
+    asked again with text, and then for a completion, whose usage gives 31."""
     seen: list[dict[str, Any]] = []
 
     async def tokenize(request: web.Request) -> web.Response:
@@ -174,7 +177,17 @@ async def tokenize_bodies(refuse_messages: bool) -> tuple[int | None, list[dict[
             return web.Response(status=422, body=b'{"detail": "prompt: field required"}')
         return web.json_response({"tokens": [1] * 20, "count": 20, "max_model_len": 4096})
 
-    async with serving("/tokenize", tokenize) as url, ChatClient() as client:
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(orjson.loads(await request.read()))
+        return web.json_response(
+            {"id": "c1", "object": "chat.completion", "created": 1, "model": MODEL,
+             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                          "finish_reason": "length"}],
+             "usage": {"prompt_tokens": 31, "completion_tokens": 1, "total_tokens": 32}},
+            status=chat_status)
+
+    async with serving("/tokenize", tokenize, ("/v1/chat/completions", chat)) as url, \
+            ChatClient() as client:
         n = await prompt_tokens(client, url, MODEL, SAMPLE.messages)
     return n, seen
 
@@ -183,8 +196,9 @@ async def test_prompt_counts_are_asked_the_way_each_engine_reads_them(
     sglang_oracle: Oracle, vllm_oracle: Oracle,
 ) -> None:
     """vLLM and SGLang 0.5.23 take the chat messages (the count the server will see, its
-    template included); SGLang 0.5.9 refuses them, and the text body that follows is one
-    it takes. No field is silently ignored."""
+    template included); SGLang 0.5.9 refuses them and counts text only, so the count is a
+    one-token chat completion's usage, a body each release takes; only where that fails
+    too is it the text plus an allowance per message. No field is silently ignored."""
     n, [chat] = await tokenize_bodies(refuse_messages=False)
     assert n == 20 and chat["messages"] == list(SAMPLE.messages)
     checked = vllm_oracle.ask("validate_tokenize", body=chat)
@@ -193,7 +207,12 @@ async def test_prompt_counts_are_asked_the_way_each_engine_reads_them(
     checked = sglang_oracle.ask("validate_tokenize", body=chat)
     if sglang_oracle.version == "0.5.9":
         assert not checked["ok"], "0.5.9 takes messages now: the text fallback is not needed"
-        n, [_, text] = await tokenize_bodies(refuse_messages=True)
+        n, [_, text, one] = await tokenize_bodies(refuse_messages=True)
+        assert n == 31 and one["messages"] == list(SAMPLE.messages) and one["max_tokens"] == 1
+        for oracle in (sglang_oracle, vllm_oracle):
+            taken = oracle.ask("validate_chat", body=one)
+            assert taken["ok"] and taken["dropped_paths"] == [], taken
+        n, _ = await tokenize_bodies(refuse_messages=True, chat_status=500)
         assert n is not None and n > 20  # the template's allowance per message is added
         checked = sglang_oracle.ask("validate_tokenize", body=text)
     assert checked["ok"], f"SGLang {sglang_oracle.version}: {checked['error']}"

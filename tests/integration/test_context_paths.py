@@ -21,6 +21,8 @@ from typing import Any
 import orjson
 from test_pipeline import draftgen, shard_records
 
+from draftgen.client import ChatClient
+from draftgen.client.context import one_token_count
 from draftgen.engine import LocalEngine
 from draftgen.running.context import (
     CHARS_PER_TOKEN_AT_MOST,
@@ -120,3 +122,28 @@ def test_a_later_turn_is_shortened_to_the_room_its_answers_leave(
     assert second["completion_tokens"] == room
     assert second["finish_reason"] == "length"
     assert second["prompt_tokens"] + room < local_engine.max_model_len
+
+
+async def test_a_one_token_completion_counts_what_the_template_applying_tokenize_does(
+    local_engine: LocalEngine,
+) -> None:
+    """Where a server's /tokenize counts text only (SGLang 0.5.9) the count is a one-token
+    completion's usage: on the real engine it equals its own template-applying /tokenize,
+    and a prompt over the context is counted over it from the refusal's words."""
+    messages: list[Any] = [{"role": "system", "content": "Answer in one word."},
+                           {"role": "user", "content": "7 " * 300},
+                           {"role": "assistant", "content": "Seven."},
+                           {"role": "user", "content": "And again?"}]
+    async with ChatClient() as client:
+        status, obj = await client.fetch_json(
+            local_engine.url, "/tokenize", {"model": "tiny", "messages": messages},
+            timeout_s=30)
+        assert status == 200
+        counted = await one_token_count(client, local_engine.url, "tiny", messages,
+                                        timeout_s=60)
+        assert counted == obj["count"] > 300
+        too_long = [{"role": "user", "content": "7" * 5000}]
+        over = await one_token_count(client, local_engine.url, "tiny", too_long, timeout_s=60)
+        # vLLM 0.32 stops counting past the context ("at least 4097 input tokens"): over
+        # it, which is all the fit decides (set aside), not the whole 5,000.
+        assert over is not None and over > 4096

@@ -64,6 +64,8 @@ from draftgen.servers.engines.load import ServerLoad
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 2.0
+# A resumed run starts at the factor the last one ended at, but not under this.
+RESTORE_FLOOR = FACTOR_MIN
 BACK_OFF_PREEMPT = 0.93
 BACK_OFF_QUEUE = 0.95
 PUSH_UP = 1.05
@@ -175,9 +177,10 @@ class AdaptiveScheduler(Scheduler):
         for url, factor in state.items():
             if isinstance(factor, int | float) and FACTOR_MIN <= factor <= FACTOR_MAX:
                 c = self.control(url)
-                c.factor = float(factor)
+                c.factor = max(float(factor), RESTORE_FLOOR)
                 c.fast = False  # what the fast start would find is known
-                self._log(f"{url}: target ×{factor:.2f} of capacity, as the last run ended")
+                self._log(f"{url}: target ×{c.factor:.2f} of capacity, as the last run ended"
+                          + (f" (×{factor:.2f}, raised)" if c.factor > factor else ""))
 
     def control(self, url: str) -> _ServerControl:
         c = self._control.get(url)

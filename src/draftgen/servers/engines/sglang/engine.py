@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 ATTN_DP_FLAG = "--attn-dp-size"
 DCP_FLAG, DCP_LONG_FLAG = "--dcp-size", "--decode-context-parallel-size"
-# The chat template's role markers per message, where the server counts text only.
+# The chat template's role markers per message, where the server counts text only: an
+# allowance used only where a one-token completion cannot count (client/context.py).
 TEMPLATE_TOKENS_PER_MESSAGE = 8
 
 
