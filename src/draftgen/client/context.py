@@ -35,10 +35,23 @@ _REFUSALS = (
     # [at least ]N input tokens, which exceeds this limit even without any output tokens."
     re.compile(r"maximum context length is (?P<context>\d+) tokens\. However, your prompt "
                r"contains (?:at least )?(?P<prompt>\d+) input tokens"),
+    # vLLM 0.10-0.11, the prompt alone too long: "This model's maximum context length is
+    # M tokens. However, your request has N input tokens."; with max_tokens: "... is too
+    # large: K. This model's maximum context length is M tokens and your request has N
+    # input tokens (...)".
+    re.compile(r"maximum context length is (?P<context>\d+) tokens(?:\. However,| and) your "
+               r"request has (?P<prompt>\d+) input tokens"),
+    # vLLM V0: "The decoder prompt (length N) is longer than the maximum model length of M."
+    re.compile(r"decoder prompt \(length (?P<prompt>\d+)\) is longer than the maximum model "
+               r"length of (?P<context>\d+)"),
     # vLLM 0.32 (where the prompt alone is too long; it clamps max_tokens itself otherwise):
     # "Input length (N) exceeds model's maximum context length (M)."
     re.compile(r"Input length \((?P<prompt>\d+)\) exceeds model's maximum context length "
                r"\((?P<context>\d+)\)"),
+    # SGLang, over its max_req_input_len: "Input length (N tokens) exceeds the maximum
+    # allowed length (M tokens)."
+    re.compile(r"Input length \((?P<prompt>\d+) tokens\) exceeds the maximum allowed length "
+               r"\((?P<context>\d+) tokens\)"),
     # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)."
     re.compile(r"input \((?P<prompt>\d+) tokens\) is longer than the model's context "
                r"length \((?P<context>\d+) tokens\)"),
@@ -85,7 +98,8 @@ async def context_length(client: ChatClient, url: str, *, timeout_s: float = 10.
 async def prompt_tokens(client: ChatClient, url: str, model: str,
                         messages: Sequence[Message], *, timeout_s: float = 30.0) -> int | None:
     """How many tokens the server reads for `messages` (its template and generation prompt
-    included); None when it cannot say."""
+    included); None when it cannot say. Raises `RequestError` where only a one-token
+    completion could count and it failed (a timeout, the server down)."""
     asks: list[CountRequest] = []
     for engine in ENGINES.values():
         asks += [r for r in engine.count_requests(model, messages) if r not in asks]

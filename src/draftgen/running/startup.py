@@ -116,17 +116,22 @@ class StartUp:
         if url is None:
             return {}
         gate = asyncio.Semaphore(COUNT_CONCURRENCY)
-        self.say(f"counting {len(samples)} long prompt(s) with {url}'s tokenizer …")
+        self.say(f"counting {len(samples)} long prompt(s) by {url}'s own count …")
 
         async def one(s: Sample) -> tuple[str, int | None]:
             messages = [*s.messages, *({"role": "user", "content": f} for f in s.followups)]
             async with gate:
                 try:
+                    # A count may be a one-token completion waiting behind a busy
+                    # server's queue: as long as any request may wait for its first byte.
                     n = await prompt_tokens(self.client, url, self.job.model, messages,
-                                            timeout_s=self.job.client.probe_timeout_s)
+                                            timeout_s=self.job.client.idle_timeout_s)
                 except RequestError:
                     return s.id, None
             return s.id, n
 
         found = await asyncio.gather(*(one(s) for s in samples))
+        if missed := sum(n is None for _, n in found):
+            self.say(f"warning: {missed} long prompt(s) could not be counted by {url}: "
+                     "fitted by the plan's estimate")
         return {sid: n for sid, n in found if n is not None}

@@ -372,9 +372,11 @@ class AdaptiveScheduler(Scheduler):
     def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
         """How many requests the server runs at once, when that, not KV, makes it queue.
 
-        A limit the server publishes (SGLang) stands as is. Otherwise a reading with a
-        queue and room in the cache sets the limit to what runs; a reading with more
-        running raises it (sending limit + SLOT_QUEUE probes for that).
+        A limit the server publishes (SGLang) stands as is. Otherwise readings with a
+        queue, room in the cache (for the largest prompt waiting too) and the same number
+        running, held for SLOT_EVIDENCE_S, set the limit to that number if it is the most
+        the server ran in the last SLOT_WINDOW_S; a reading with more running raises it
+        (sending limit + SLOT_QUEUE probes for that).
         """
         if load.max_running:
             if load.max_running != c.max_running:
@@ -385,12 +387,12 @@ class AdaptiveScheduler(Scheduler):
         running, waiting = load.running, load.waiting
         if running is None or waiting is None:
             return
-        if c.max_running is not None and running > c.max_running:
-            c.max_running = running
-            return
         c.recent.append((load.at, running))
         while c.recent[0][0] < load.at - SLOT_WINDOW_S:
             c.recent.popleft()
+        if c.max_running is not None and running > c.max_running:
+            c.max_running, c.slot_evidence = running, 0
+            return
         # Evidence of a limit is a queue while the cache is clearly not full (a request
         # waits for blocks long before usage reads 100%), seen on consecutive readings
         # (a queue the engine clears within a step is no limit). A full cache queues too:
@@ -422,10 +424,12 @@ class AdaptiveScheduler(Scheduler):
 
     def _waiting_fits(self, url: str, c: _ServerControl, load: ServerLoad) -> bool:
         """Whether the cache's free part holds the largest prompt sent and not yet
-        answered (any of them may be the one the server queues); unknown: yes."""
+        answered, a later turn's with the answers it carries (any of them may be the one
+        the server queues); unknown: yes."""
         if c.capacity is None or load.kv_usage is None:
             return True
-        largest = max((f.sample.prompt_tokens for f in self._unanswered(url)), default=0)
+        largest = max((f.sample.prompt_tokens + f.earlier for f in self.books.flights.values()
+                       if f.url == url and not f.written), default=0)
         return c.capacity * (1.0 - load.kv_usage) >= -(-largest // c.block) * c.block
 
     def _set(self, url: str, c: _ServerControl, factor: float, reason: str) -> None:

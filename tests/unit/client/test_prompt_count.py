@@ -3,6 +3,7 @@ template: a one-token chat completion's usage, or its refusal's words."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import orjson
 import pytest
 from aiohttp import web
+from test_classify import CONTEXT_MESSAGES
 
 from draftgen.client import ChatClient
 from draftgen.client.context import prompt_tokens, refusal_counts
+from draftgen.errors import RequestError
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
 # SGLang's words for a prompt over the context (0.5.9 and 0.5.23), and vLLM 0.32's.
@@ -22,6 +25,7 @@ VLLM_TOO_LONG = "Input length (5001) exceeds model's maximum context length (409
 
 
 Answer = Callable[[dict[str, Any]], web.Response]  # a request body -> its answer
+bodies: list[dict[str, Any]] = []  # what the last server was sent, in order
 
 
 @asynccontextmanager
@@ -30,13 +34,15 @@ async def server(tokenize: Answer | None, chat: Answer | None
     """/tokenize and /v1/chat/completions answering as given (None: no such route); the
     base URL and the paths asked, in order."""
     asked: list[str] = []
+    bodies.clear()
 
     def route(path: str, answer: Answer) -> Any:
         async def handle(request: web.Request) -> web.Response:
             body = orjson.loads(await request.read())
             asked.append(path)
-            if path == "/v1/chat/completions":
-                assert body["max_tokens"] == 1 and body["messages"] == MESSAGES
+            bodies.append(body)
+            if path == "/v1/chat/completions" and answer is slow:
+                await asyncio.sleep(1.0)  # past the 0.3 s the tests allow
             return answer(body)
         return handle
 
@@ -71,10 +77,19 @@ def text_only(body: dict[str, Any]) -> web.Response:
     return web.json_response({"count": 20})
 
 
-async def count(tokenize: Answer | None, chat: Answer | None
+async def count(tokenize: Answer | None, chat: Answer | None, timeout_s: float = 30.0
                 ) -> tuple[int | None, list[str]]:
     async with server(tokenize, chat) as (url, asked), ChatClient() as client:
-        return await prompt_tokens(client, url, "m", MESSAGES), asked
+        n = await prompt_tokens(client, url, "m", MESSAGES, timeout_s=timeout_s)
+    for path, body in zip(asked, bodies, strict=True):
+        if path == "/v1/chat/completions":  # one token of the prompt as it is
+            assert body["max_tokens"] == 1 and body["messages"] == MESSAGES
+    return n, asked
+
+
+def slow(_body: dict[str, Any]) -> web.Response:
+    """Answers only after the client gave up (the server delays it)."""
+    return web.json_response({"detail": "late"})
 
 
 async def test_a_template_applying_tokenize_is_enough() -> None:
@@ -106,6 +121,12 @@ async def test_the_text_count_and_an_allowance_only_when_nothing_exact_answers()
     n, asked = await count(text_only, answer({"detail": "busy"}, 503))
     assert n is not None and n > 20
     assert asked == ["/tokenize", "/tokenize", "/v1/chat/completions"]
+    # A completion that times out (a busy server): the estimate stands; without one, the
+    # error is the caller's to weigh.
+    n, _ = await count(text_only, slow, timeout_s=0.3)
+    assert n is not None and n > 20
+    with pytest.raises(RequestError):
+        await count(None, slow, timeout_s=0.3)
     # Nothing answers a count at all: none.
     assert await count(None, answer({"detail": "no"}, 404)) == (None, ["/v1/chat/completions"])
 
@@ -113,4 +134,11 @@ async def test_the_text_count_and_an_allowance_only_when_nothing_exact_answers()
 def test_refusal_counts_reads_each_engines_words() -> None:
     assert refusal_counts(SGLANG_TOO_LONG) == (4096, 5000)
     assert refusal_counts(VLLM_TOO_LONG) == (4096, 5001)
+    assert refusal_counts("This model's maximum context length is 4096 tokens. However, your "
+                          "request has 5002 input tokens. Please reduce the length of the "
+                          "input messages.") == (4096, 5002)  # vLLM 0.10-0.11
     assert refusal_counts("Internal server error") is None
+    # Every wording the client knows as "context exceeded" that names both numbers.
+    read = [refusal_counts(m) for m in CONTEXT_MESSAGES]
+    assert read == [(4096, 1000), (4096, 1000), (4096, 9254), (131072, 150000), None,
+                    (31994, 31996)]

@@ -81,6 +81,23 @@ async def test_the_servers_own_count_shortens_or_sets_aside_before_sending(
     assert manifest["context"]["prompt_tokens"]["chat-tight"] == 600
 
 
+async def test_prompts_the_server_cannot_count_are_fitted_by_the_estimate_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No /tokenize and no usage in a one-token completion: the count is missed, said once,
+    and the plan's estimate decides: every prompt estimated under twice the context goes."""
+    job = make_job(tmp_path)
+    async with FakeServer(responder=echo, context_tokens=1000) as server:
+        summary = await run(job, server.url)
+    err = capsys.readouterr().err
+    assert "3 long prompt(s) could not be counted by" in err
+    assert "fitted by the plan's estimate" in err
+    assert (summary.planned, summary.done) == (4, 4)  # this server refuses no length
+    # The counts were asked as one-token completions, never as answers.
+    counts = [s.body for s in server.seen if s.body["max_tokens"] == 1]
+    assert len(counts) == 3 and all("stream" not in b for b in counts)
+
+
 async def test_set_aside_policy_sends_nothing_that_would_be_cut_by_the_context(
     tmp_path: Path,
 ) -> None:

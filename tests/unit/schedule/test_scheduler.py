@@ -581,7 +581,6 @@ def test_the_rules_run_on_seconds_whatever_the_poll_interval(interval: float) ->
     assert sched.targets()["a"] < once
 
 
-
 @pytest.mark.parametrize("interval", [0.5, 1.0, 2.0])
 def test_back_offs_are_as_strong_per_second_and_a_push_up_is_one_step_a_reading(
         interval: float) -> None:
@@ -617,8 +616,6 @@ def test_back_offs_are_as_strong_per_second_and_a_push_up_is_one_step_a_reading(
     assert t is not None
     sched.on_load(server, load("a", waiting=0, usage=0.6, at=t + interval))
     assert sched.targets()["a"] == pytest.approx(1000.0 * adaptive.PUSH_UP)
-
-
 
 
 def long_prompts(prompt: int, n: int) -> tuple[AdaptiveScheduler, ServerState, list[str]]:
@@ -662,8 +659,8 @@ PREFILL_BOUND = [(6, 1, 0.84), (5, 0, 0.73), (4, 1, 0.59), (5, 0, 0.75), (5, 1, 
 def test_a_queue_for_the_prefill_budget_is_no_running_limit(poll_s: float) -> None:
     """The server prefills as fast as its token budget lets it and queues the rest with
     room in its cache, running 4 to 7 as prompts come and go. Two readings alike (5 running,
-    4 waiting, KV 73-75%) made a limit of 5, at every poll interval. A limit is a ceiling:
-    a count under what the server ran in the last seconds is none."""
+    4 waiting, KV 73-75%) made a limit of 5 (the suite learned 5 at every interval). A limit
+    is a ceiling: a count under what the server ran in the last seconds is none."""
     sched, server, logs = long_prompts(1100, 10)
     every = round(poll_s / 0.5)
     for k, (running, waiting, usage) in enumerate(PREFILL_BOUND[::every]):
@@ -676,3 +673,29 @@ def test_a_queue_for_the_prefill_budget_is_no_running_limit(poll_s: float) -> No
         sched.on_load(server, load("a", capacity=8192, running=5, waiting=5, usage=0.70,
                                    at=start + k * poll_s))
     assert sched.control("a").max_running == 5
+
+
+def test_the_ceiling_spans_ten_seconds_of_readings_at_any_interval() -> None:
+    """At a 2 s poll a 5 s window held two or three readings, and prefill/cache still
+    learned a limit of 5 (7 had run 6 s before): the window is 10 s."""
+    sched, server, logs = long_prompts(1100, 10)
+    for at, running, waiting in [(1.0, 7, 1), (3.0, 5, 4), (5.0, 5, 4), (7.0, 5, 4)]:
+        sched.on_load(server, load("a", capacity=8192, running=running, waiting=waiting,
+                                   usage=0.6, at=at))
+    assert sched.control("a").max_running is None, logs
+    sched.on_load(server, load("a", capacity=8192, running=5, waiting=4, usage=0.6, at=11.5))
+    assert sched.control("a").max_running == 5  # 7 ran more than 10 s ago
+
+
+def test_a_raised_limit_is_not_lowered_by_the_next_reading() -> None:
+    sched, server, logs = long_prompts(100, 10)
+    for k in range(12):
+        sched.on_load(server, load("a", capacity=100_000, running=5, waiting=3, usage=0.2,
+                                   at=1.0 + k * 0.5))
+    assert sched.control("a").max_running == 5
+    sched.on_load(server, load("a", capacity=100_000, running=6, waiting=3, usage=0.2, at=8.0))
+    assert sched.control("a").max_running == 6
+    for k in range(4):  # 6 ran within the window: 5 is under it
+        sched.on_load(server, load("a", capacity=100_000, running=5, waiting=3, usage=0.2,
+                                   at=8.5 + k * 0.5))
+    assert sched.control("a").max_running == 6, logs
