@@ -531,6 +531,20 @@ def test_a_resumed_run_starts_from_the_target_the_last_one_ended_with() -> None:
     assert "b" not in second.targets()
 
 
+def test_a_resumed_run_starts_at_capacity_at_least() -> None:
+    """The restart shape of the workload suite: the first half ended at x0.86 after
+    back-offs in its tail; resumed there, the second half ran at 0.85x the static's tokens
+    per step with a fifth of its preemptions. A fresh run reaches x1.0 once lengths are
+    learned; a resumed one, which has them, starts there at least."""
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append)
+    sched.restore({"a": 0.86})
+    sched.on_load(ServerState("a"), load("a", capacity=1000, usage=0.1))
+    assert sched.targets()["a"] == pytest.approx(1000.0 * max(0.86, adaptive.RESTORE_FLOOR))
+    assert adaptive.RESTORE_FLOOR == 1.0
+    assert "(×0.86, raised)" in logs[-2]
+
+
 def test_a_shared_system_prompt_counts_once_per_server() -> None:
     """The server's prefix cache holds one copy of a system prompt every request opens
     with: requests sharing one fit more of them than requests with a prompt each."""
