@@ -15,6 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from draftgen.client.classify import error_object
 from draftgen.client.openai import CHAT_PATH, ChatClient
 from draftgen.errors import RequestError
 from draftgen.sample import Message
@@ -133,9 +134,8 @@ async def one_token_count(client: ChatClient, url: str, model: str,
         usage = obj.get("usage")
         n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return n if isinstance(n, int) and n > 0 else None
-    if isinstance(obj, dict):
-        error = obj.get("error")
-        message = error.get("message") if isinstance(error, dict) else obj.get("message")
-        if isinstance(message, str) and (refused := refusal_counts(message)):
-            return refused.prompt
+    error = error_object(obj) if isinstance(obj, dict) else None
+    message = error.get("message") if error is not None else None
+    if isinstance(message, str) and (refused := refusal_counts(message)):
+        return refused.prompt
     return None
