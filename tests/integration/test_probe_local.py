@@ -58,6 +58,13 @@ def recorded(local_engine: LocalEngine) -> RecordedReference:
         top_k=TOP_K, concurrency=1))
 
 
+@pytest.fixture(scope="module")
+def batched_self(local_engine: LocalEngine) -> ProbeResult:
+    """The engine probed against itself as `draftgen probe` runs (several prompts at once):
+    the batch noise both tests compare with, measured once."""
+    return asyncio.run(probe(local_engine.url, local_engine.url))
+
+
 async def probe(reference: str, candidate: str,
                 thresholds: ProbeThresholds | None = None) -> ProbeResult:
     return await run_probe(
@@ -73,7 +80,7 @@ async def alone(recorded: RecordedReference, candidate: str) -> ProbeResult:
 
 
 async def test_identical_configuration_shows_no_divergence(
-    local_engine: LocalEngine, recorded: RecordedReference
+    local_engine: LocalEngine, recorded: RecordedReference, batched_self: ProbeResult
 ) -> None:
     # One request at a time, against its own recorded answers: the same bits, by
     # construction, at every position.
@@ -85,16 +92,16 @@ async def test_identical_configuration_shows_no_divergence(
 
     # As `draftgen probe` runs: several prompts at once, both sides on this engine. What
     # differs from the above is only what shares a batch; it passes the default verdict.
-    batched = await probe(local_engine.url, local_engine.url)
-    print(f"PROBE engine against itself, batched: {batched.verdict_line()}")
-    assert batched.engines == ("vllm", "vllm")
-    assert len(batched.details) == N_PROMPTS
-    assert batched.positions > N_PROMPTS * MAX_TOKENS // 2
-    assert batched.passed, batched.failures
+    print(f"PROBE engine against itself, batched: {batched_self.verdict_line()}")
+    assert batched_self.engines == ("vllm", "vllm")
+    assert len(batched_self.details) == N_PROMPTS
+    assert batched_self.positions > N_PROMPTS * MAX_TOKENS // 2
+    assert batched_self.passed, batched_self.failures
 
 
 async def test_float32_candidate_shows_clearly_larger_divergence(
-    local_engine: LocalEngine, float32_engine: LocalEngine, recorded: RecordedReference
+    local_engine: LocalEngine, float32_engine: LocalEngine, recorded: RecordedReference,
+    batched_self: ProbeResult
 ) -> None:
     # Noise-free on both sides (one request at a time, against the recording), where the
     # engine itself shows exactly nothing: any drift is the dtype's.
@@ -105,7 +112,7 @@ async def test_float32_candidate_shows_clearly_larger_divergence(
 
     # Batched, as `draftgen probe` runs, against the noise floor of the same probe on the
     # engine itself, with thresholds set by that floor (as the README says to set them).
-    same = await probe(local_engine.url, local_engine.url)
+    same = batched_self
     strict = ProbeThresholds(max_mean_kl=CLEAR_OF_NOISE * same.mean_kl, min_top1=0.0,
                              min_exact_match=same.exact_match_rate)
     other = await probe(local_engine.url, float32_engine.url, strict)
