@@ -74,3 +74,6 @@ progress_interval_s: 1
     server = manifest["runs"][-1]["servers"][0]
     assert server["verified"] is True and server["kv_dtype"] == "bfloat16"
     assert server["profile_hash"] and server["engine"] == "vllm"
+    # vLLM publishes no running limit; the one the profile launched it with is used as told.
+    told = "runs at most 8 requests at once (the profile draftgen launched it with)"
+    assert any(told in e for e in manifest["runs"][-1]["events"]), manifest["runs"][-1]

@@ -243,6 +243,8 @@ class Runner:
     async def _run(self, todo: list[Sample], client: ChatClient, events: EventLog) -> None:
         state = self._state
         gateways = self._gateways
+        for url, limit in self._servers.launched_limits.items():
+            self.scheduler.limit_known(url, limit, "the profile draftgen launched it with")
         pool = self.pool = ServerPool(
             self._urls, clock=self.clock, routes=self._routes,
             probe=lambda server: self._probe(client, server, events),

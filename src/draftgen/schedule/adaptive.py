@@ -28,9 +28,10 @@ of requests in flight, would take longest to drain, plus the length of its longe
 the longer answers drains earlier, so the run does not end in a tail of a few long requests.
 
 When the server's own limit on running requests binds (published by SGLang's /v1/loads,
-learned for vLLM), what was sent beyond limit + a short queue (a first burst before the
-limit was known) is called back: the newest requests that have not begun to answer go back
-to the front of their queue, to be sent when a slot frees, instead of waiting at the server.
+known from the profile draftgen launched it with, else learned for vLLM), what was sent
+beyond limit + a short queue (a first burst before the limit was known) is called back: the
+newest requests that have not begun to answer go back to the front of their queue, to be
+sent when a slot frees, instead of waiting at the server.
 
 Before that limit is known, and whatever else binds, a server gets at most a few requests
 that have not begun to answer (`UNANSWERED`): each first token lets one more go. The first
@@ -127,6 +128,7 @@ class _ServerControl:
     finished: int = 0  # since the last change of target
     projection: list[float] | None = None  # expected KV use ahead; None: to recompute
     max_running: int | None = None  # the server's own limit on running requests, if seen
+    known: str | None = None  # where a limit not learned from readings was told (a profile)
     slot_evidence: int = 0  # readings in a row: a queue, room in the cache, `slot_running`
     slot_since: float = 0.0  # the first of them
     slot_running: int = 0
@@ -183,6 +185,15 @@ class AdaptiveScheduler(Scheduler):
                 c.fast = False  # what the fast start would find is known
                 self._log(f"{url}: target ×{c.factor:.2f} of capacity, as the last run ended"
                           + (f" (×{factor:.2f}, raised)" if c.factor > factor else ""))
+
+    def limit_known(self, url: str, limit: int, source: str) -> None:
+        """A limit told, not learned (the profile draftgen launched the server with): it
+        caps what is sent from the first request, and readings never learn it lower —
+        a prefill-bound engine's running count can hold still with a queue for seconds."""
+        c = self.control(url)
+        c.max_running, c.known = limit, source
+        self._log(f"{url}: runs at most {limit} requests at once ({source}); sending at most "
+                  f"{limit + SLOT_QUEUE}")
 
     def control(self, url: str) -> _ServerControl:
         c = self._control.get(url)
@@ -374,7 +385,8 @@ class AdaptiveScheduler(Scheduler):
     def _learn_slots(self, url: str, c: _ServerControl, load: ServerLoad, room: bool) -> None:
         """How many requests the server runs at once, when that, not KV, makes it queue.
 
-        A limit the server publishes (SGLang) stands as is. Otherwise readings with a
+        A limit the server publishes (SGLang) stands as is, and so does one told
+        (`limit_known`) while the server publishes none. Otherwise readings with a
         queue, room in the cache (for the largest prompt waiting too) and the same number
         running, held for SLOT_EVIDENCE_S, set the limit to that number if it is the most
         the server ran in the last SLOT_WINDOW_S; a reading with more running raises it
@@ -387,7 +399,7 @@ class AdaptiveScheduler(Scheduler):
             c.max_running = load.max_running
             return
         running, waiting = load.running, load.waiting
-        if running is None or waiting is None:
+        if c.known is not None or running is None or waiting is None:
             return
         c.recent.append((load.at, running))
         while c.recent[0][0] < load.at - SLOT_WINDOW_S:

@@ -91,6 +91,10 @@ class Scheduler:
     def on_load(self, server: ServerState, load: ServerLoad) -> None:
         """A fresh load reading for `server`; static policies ignore it."""
 
+    def limit_known(self, url: str, limit: int, source: str) -> None:
+        """`url` runs at most `limit` requests at once, as `source` says (a server draftgen
+        launched knows its own); static policies ignore it."""
+
     def recall(self, server: ServerState) -> list[str]:
         """Sample ids of requests on `server` to call back and queue again (none here)."""
         return []

@@ -68,6 +68,9 @@ class AttachedServers:
     # Gateway workers reached only through their gateway: worker URL -> gateway.
     _relayed: dict[str, str] = field(default_factory=dict)
     configurations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The running limit each server this run launched was started with (--max-num-seqs,
+    # --max-running-requests): vLLM publishes none, and the scheduler need not learn it.
+    launched_limits: dict[str, int] = field(default_factory=dict)
 
     async def __aenter__(self) -> AttachedServers:
         if self.override_urls or self.override_gateways:
@@ -135,6 +138,8 @@ class AttachedServers:
         verified = await launch_worker(profile, port, api_key=self.api_key)
         self.log(verified.summary)
         self._profiles[verified.handle.url] = profile
+        if profile.max_running_requests is not None:
+            self.launched_limits[verified.handle.url] = profile.max_running_requests
         return verified
 
     def worker_of(self, gateway: str, url: str, *, relayed: bool = False) -> None:

@@ -713,3 +713,29 @@ def test_a_raised_limit_is_not_lowered_by_the_next_reading() -> None:
         sched.on_load(server, load("a", capacity=100_000, running=5, waiting=3, usage=0.2,
                                    at=8.5 + k * 0.5))
     assert sched.control("a").max_running == 6, logs
+
+
+def test_a_limit_the_launch_profile_tells_caps_the_first_burst_and_is_never_learned_lower(
+) -> None:
+    """vLLM publishes no running limit, but a server draftgen launched runs the one its
+    profile set (--max-num-seqs): it caps the first burst before any reading, and the
+    prefill-bound readings that could learn 5 after a queue held 10 s leave it as told."""
+    logs: list[str] = []
+    sched = AdaptiveScheduler(log=logs.append, initial_factor=2.0)
+    server = ServerState("a")
+    sched.limit_known("a", 8, "the profile draftgen launched it with")
+    assert "runs at most 8 requests at once (the profile draftgen launched it with)" in logs[-1]
+    q = Queues(sched, {"main": (40, [sample(i, "main", prompt=1100, max_tokens=64)
+                                     for i in range(40)])})
+    # No reading yet: no capacity known, so only the running limit caps what goes out.
+    assert len(q.fill([server], answer=True)) == 8 + adaptive.SLOT_QUEUE
+    at = 0.0
+    for running, waiting, usage in PREFILL_BOUND + [(5, 5, 0.70)] * 30:
+        at += 0.5
+        sched.on_load(server, load("a", capacity=8192, running=running, waiting=waiting,
+                                   usage=usage, at=at))
+    assert sched.control("a").max_running == 8, logs
+    # What the server publishes still wins (SGLang's /v1/loads).
+    sched.on_load(server, dataclasses.replace(load("a", capacity=8192, at=at + 1),
+                                              max_running=12))
+    assert sched.control("a").max_running == 12

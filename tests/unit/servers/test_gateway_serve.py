@@ -182,7 +182,7 @@ def test_a_gateway_that_fails_stops_the_workers(
 def test_a_run_launches_a_gateway_profile_or_workers_entry_and_stops_it(
     write_gateway: Any, tmp_path: Path, entry: str
 ) -> None:
-    write_gateway()
+    write_gateway(a={"max_running_requests": 24})
     (tmp_path / "p.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     (tmp_path / "job.yaml").write_text(
         f"model: kimi\nservers: [{entry}]\npartitions: {{s: {{max_tokens: 8}}}}\n"
@@ -190,13 +190,16 @@ def test_a_run_launches_a_gateway_profile_or_workers_entry_and_stops_it(
     state_dir = tmp_path / "out" / "servers"
     logged: list[str] = []
 
-    async def go() -> tuple[str, list[str]]:
+    async def go() -> tuple[str, list[str], dict[str, int]]:
         async with AttachedServers(load_job(tmp_path / "job.yaml"), [], state_dir,
                                    log=logged.append) as servers:
             [url] = servers.gateways
-            return url, listed(url)
+            return url, listed(url), servers.launched_limits
 
-    url, workers = asyncio.run(go())
+    url, workers, limits = asyncio.run(go())
+    # The running limit worker a was launched with, under the URL the gateway lists it by
+    # (the scheduler's key); b was launched with none.
+    assert list(limits.values()) == [24] and set(limits) < set(workers), (limits, workers)
     name = "gw" if "launch" in entry else "gateway"
     record = read_gateway(state_dir / name)
     assert record is not None and record.url == url and len(workers) == 2
