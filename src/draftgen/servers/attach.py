@@ -138,8 +138,8 @@ class AttachedServers:
         verified = await launch_worker(profile, port, api_key=self.api_key)
         self.log(verified.summary)
         self._profiles[verified.handle.url] = profile
-        if profile.max_running_requests is not None:
-            self.launched_limits[verified.handle.url] = profile.max_running_requests
+        if (limit := engine_for(profile.engine).running_limit(profile)) is not None:
+            self.launched_limits[verified.handle.url] = limit
         return verified
 
     def worker_of(self, gateway: str, url: str, *, relayed: bool = False) -> None:

@@ -217,3 +217,17 @@ def test_state_dir_defaults_to_the_user_cache(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setenv("DRAFTGEN_SERVERS_DIR", str(tmp_path / "servers"))
     profile = ServerProfile(engine="vllm", model_path="/models/Qwen3-8B/")
     assert profile.state_path == tmp_path / "servers" / "Qwen3-8B"
+
+
+@pytest.mark.parametrize("engine, settings, limit", [
+    ("vllm", {}, None),  # no limit set: the engine's own default, not known here
+    ("vllm", {"max_running_requests": 8}, 8),
+    ("vllm", {"max_running_requests": 8, "dp": 2}, 16),  # --max-num-seqs per engine core
+    ("sglang", {"max_running_requests": 64, "dp": 2, "tp": 2}, 128),  # per DP worker
+    # DP attention: the ranks split one limit (SGLang sizes each max_running_requests // dp).
+    ("sglang", {"max_running_requests": 512, "dp": 8, "tp": 8, "dp_attention": True}, 512),
+])
+def test_the_running_limit_a_launched_server_runs(engine: str, settings: dict[str, Any],
+                                                   limit: int | None) -> None:
+    profile = ServerProfile(engine=engine, model_path="org/model", **settings)
+    assert engine_for(engine).running_limit(profile) == limit

@@ -123,6 +123,13 @@ class Engine(ABC):
         host = self.connect_host(profile)
         return f"http://[{host}]:{chosen}" if ":" in host else f"http://{host}:{chosen}"
 
+    def running_limit(self, profile: ServerProfile) -> int | None:
+        """The most requests a server launched from `profile` runs at once, where the
+        profile sets a limit: the flag's value is each data-parallel replica's own (vLLM's
+        --max-num-seqs per engine core, SGLang's --max-running-requests per DP worker)."""
+        n = profile.max_running_requests
+        return None if n is None else n * profile.dp
+
     def profile_problem(self, profile: ServerProfile) -> str | None:
         """Why this engine cannot run `profile`'s settings, or None."""
         refused = self.refused_kv_dtypes.get(profile.kv_cache_dtype)

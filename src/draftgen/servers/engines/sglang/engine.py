@@ -89,6 +89,14 @@ class SGLang(Engine):
         args.append("--enable-metrics")
         return args
 
+    def running_limit(self, profile: ServerProfile) -> int | None:
+        # With DP attention the ranks share one limit: each takes limit // dp (SGLang's
+        # pool sizing, `max_running_requests // attn_dp_size`).
+        n = profile.max_running_requests
+        if n is not None and profile.dp_attention:
+            return n
+        return super().running_limit(profile)
+
     async def read_info(
         self, session: aiohttp.ClientSession, url: str, *, profile: ServerProfile | None = None
     ) -> ServerInfo | None:
