@@ -12,12 +12,18 @@ from draftgen.servers.info import bearer
 # What a session is, for annotations elsewhere.
 Session = aiohttp.ClientSession
 
+# uvicorn (vLLM, SGLang) closes idle keep-alive connections after 5 s. Dropping ours a little
+# sooner keeps a request from being written onto a socket the server is just closing (aiohttp
+# keeps them 15 s: a probe whose candidate sat idle 5 s got "Server disconnected").
+KEEPALIVE_S = 4.0
+
 
 def open_session(api_key: str | None = None, *, timeout_s: float | None = None) -> Session:
     """A session that sends the job's API key (if any) with every request."""
+    connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
     if timeout_s is None:
-        return aiohttp.ClientSession(headers=bearer(api_key))
-    return aiohttp.ClientSession(headers=bearer(api_key),
+        return aiohttp.ClientSession(headers=bearer(api_key), connector=connector)
+    return aiohttp.ClientSession(headers=bearer(api_key), connector=connector,
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 

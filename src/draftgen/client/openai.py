@@ -27,6 +27,7 @@ from draftgen.client.classify import (
     excerpt,
     redact,
 )
+from draftgen.client.http import KEEPALIVE_S
 from draftgen.client.sse import DONE, SSEDecoder
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import RequestError, RunError, ServerDown, Transient
@@ -35,9 +36,6 @@ from draftgen.servers.gateway import ROUTED_WORKER_HEADER
 
 CHAT_PATH = "/v1/chat/completions"
 
-# uvicorn (vLLM, SGLang) closes idle keep-alive connections after 5 s. Dropping ours a little
-# sooner keeps a request from being written onto a socket the server is just closing.
-_KEEPALIVE_S = 4.0
 # After `[DONE]` only the end of the chunked body is left; reading it lets the connection
 # go back to the pool. The bound keeps a server that leaves the stream open from holding a
 # finished result.
@@ -91,7 +89,7 @@ class ChatClient:
             headers["Authorization"] = f"Bearer {self._api_key}"
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=self._max_connections, keepalive_timeout=_KEEPALIVE_S
+                limit=self._max_connections, keepalive_timeout=KEEPALIVE_S
             ),
             # No `total` and no `connect`: waiting for a pooled connection is the
             # scheduler's business, and a long generation must never be cut off.

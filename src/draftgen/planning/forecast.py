@@ -28,6 +28,7 @@ from draftgen.planning.plan import Plan
 from draftgen.planning.workload import DecodeSpeed, Workload
 from draftgen.sample import base_body
 from draftgen.servers.engines.memory import MemoryModelError
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.prediction import ProfileMemory, memory_facts, predict_profile
 from draftgen.servers.profile import ServerProfile
 
@@ -93,7 +94,8 @@ def measured_from_profile(profile: ServerProfile, facts: ProfileMemory | None = 
     notes = (f"KV: {kv.describe()}", *facts.sources(),
              f"decode speed: {speed.source} (assumed: the model's step time depends only on "
              "the running requests, extrapolated beyond the last point)")
-    return Measured(speed=speed, kv_tokens=kv.kv_tokens, max_running=profile.max_running_requests,
+    return Measured(speed=speed, kv_tokens=kv.kv_tokens,
+                    max_running=engine_for(profile.engine).running_limit(profile),
                     source=f"predicted for {profile.source_file or profile.model_path}",
                     notes=notes)
 

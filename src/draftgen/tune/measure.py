@@ -40,6 +40,7 @@ from draftgen.probe.drift import ProbeThresholds
 from draftgen.probe.gate import GateSettings
 from draftgen.sample import Message, Sample
 from draftgen.servers.engines.info import ServerInfoError
+from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.engines.scoring import ProbeError
 from draftgen.servers.gpu import min_headroom_gib
 from draftgen.servers.keys import launch_key, launch_secrets
@@ -233,7 +234,7 @@ class Measurer:
             cap = capacity_of(verified.info)
             fields.update(
                 kv_tokens=cap.kv_tokens, block_size=cap.block_size,
-                max_running=cap.max_running or profile.max_running_requests,
+                max_running=cap.max_running or engine_for(profile.engine).running_limit(profile),
                 kv_dtype=verified.info.kv_dtype, summary=verified.summary,
                 headroom_gib=min_headroom_gib(verified.gpus))
             status, reason = await self._probe(cand, rung, handle.url, key, fields)
