@@ -39,7 +39,7 @@ fi
 # The venv's modules byte-compiled now, on every core (a module already compiled is skipped),
 # because with PYTHONDONTWRITEBYTECODE set, as on some machines, Python would otherwise
 # compile torch and vLLM from source in every engine launch. pip's own compile, one file at
-# a time, took ~95 s of the set-up on a 2-core EPYC; this takes ~50 s. Like pip, a module
+# a time, took ~80 s of the set-up on a 2-core EPYC; this takes ~50 s. Like pip, a module
 # that does not compile (a Python 2 leftover in some package) is no failure.
 "$VENV/bin/python" -m compileall -q -j 0 \
     "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
