@@ -25,13 +25,16 @@ demo: setup
 	$(BIN)/python scripts/demo.py
 
 # ruff and mypy; the architecture's import contracts (pyproject.toml, [tool.importlinter]);
-# no undeclared or unused dependency; every section and command the README names exists.
+# no undeclared or unused dependency; every section, link and command the README and docs/
+# name exists; the docs site builds without a warning (into a temporary folder, removed).
 lint: setup
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/deptry src
 	$(BIN)/python scripts/check_docs.py
+	site=$$(mktemp -d) && NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir "$$site"; \
+	  status=$$?; rm -rf "$$site"; exit $$status
 
 unit: setup
 	$(BIN)/pytest tests/unit

@@ -17,7 +17,7 @@ tiny model's end token (as examples/demo/job.yaml does), a short and a long part
 output tokens over it. A second prediction with the run's own output lengths ("lengths
 known") separates the model's error from the pilot's sampling error.
 
-The engine runs in this process's session (see engine/local.py): on this 2-core machine a
+The engine runs in this process's session (see local/server.py): on this 2-core machine a
 separate session would starve the client. Other processes on the machine move wall-clock
 figures; engine-side tokens per step are the steadier comparison.
 
@@ -43,8 +43,8 @@ from typing import Any
 import orjson
 import yaml
 
-from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import JobSpec, load_job
+from draftgen.local import LocalEngine, build_tiny_model
 from draftgen.planning.calibrate import calibrate, parse_metrics
 from draftgen.planning.capacity import Prediction, predict
 from draftgen.planning.measured import Measured, measure_from_run

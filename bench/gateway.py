@@ -32,10 +32,10 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.engine import LocalEngine
+from draftgen.gateways.process import LaunchedGateway
 from draftgen.job import load_job
+from draftgen.local import LocalEngine
 from draftgen.running.runner import RunOptions, run_job
-from draftgen.servers.gateway import LaunchedGateway
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))

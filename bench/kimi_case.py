@@ -3,7 +3,7 @@ configuration, then each lossless lever alone and combined.
 
     python bench/kimi_case.py [--samples 100000] [--markdown]
 
-KV capacity comes from the memory model (`servers/engines/memory.py`) on the example profile
+KV capacity comes from the memory model (`engines/memory.py`) on the example profile
 `examples/profiles/kimi-k2.5-sglang-8gpu.yaml`, fitted to the case's own reading (159,277
 tokens, bf16 at mem_fraction 0.88, TP 8); decode speed from the case's readings (the
 profile's `speed:` section); the job's duration from the capacity model (`planning/
@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from draftgen.clock import format_duration  # noqa: E402
+from draftgen.engines.memory import Layout  # noqa: E402
 from draftgen.planning.capacity import predict  # noqa: E402
 from draftgen.planning.workload import DecodeSpeed, ServerCapacity, Workload  # noqa: E402
-from draftgen.servers.engines.memory import Layout  # noqa: E402
 from draftgen.servers.prediction import memory_facts, predict_profile  # noqa: E402
 from draftgen.servers.profile import load_profile  # noqa: E402
 

@@ -35,8 +35,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
+from draftgen.local import LocalEngine, build_tiny_model
 from draftgen.running.runner import RunOptions, run_job
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.engine import EngineError, LocalEngine, build_tiny_model
+from draftgen.local import EngineError, LocalEngine, build_tiny_model
 from draftgen.probe import (
     ProbeResult,
     ProbeThresholds,

@@ -55,8 +55,8 @@ import orjson
 
 from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK
-from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
+from draftgen.local import LocalEngine, build_tiny_model
 from draftgen.planning.calibrate import parse_metrics
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, request_body

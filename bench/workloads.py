@@ -51,8 +51,8 @@ from scheduling import metrics, paired, variant
 
 from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK
-from draftgen.engine import LocalEngine, build_tiny_model
 from draftgen.job import load_job
+from draftgen.local import LocalEngine, build_tiny_model
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.sample import Sample, request_body
 

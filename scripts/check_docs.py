@@ -1,15 +1,23 @@
-"""Check that the README's cross-references and command lines match the document and the CLI.
+"""Check that the documents' cross-references, links and command lines match the documents and
+the CLI.
 
-    python scripts/check_docs.py [README.md]
+    python scripts/check_docs.py [FILE.md|DIR ...]
 
-Two checks, one line per problem, exit 1 if there is any:
+The documents are README.md and every docs/**/*.md by default, else the files named (a folder:
+every *.md under it). Three checks, one line per problem naming file:line, exit 1 if there is
+any:
 
 - **Sections.** A reference in prose — `see Scheduling`, `(see Resume)`, `see Servers and
-  Data quality` — must name a `##` or `###` heading: the heading must start with the
-  referenced words (case-insensitive, punctuation ignored), so `see Servers` matches
-  `## Servers: profiles, launch and the quality policy`. A reference is the text after
-  "see" from its first capitalised word up to the next punctuation mark; "and" joins
-  several. A markdown link `[text](#anchor)` must name a heading's GitHub anchor.
+  Data quality` — must name a `#`, `##` or `###` heading of any of the documents (a page's
+  title is its `#`): the heading must start with the referenced words (case-insensitive,
+  punctuation ignored), so `see Servers` matches `# Servers: profiles, launch and the
+  quality policy`. A reference is the text after "see" from its first capitalised word up
+  to the next punctuation mark; "and" joins several.
+- **Links.** A markdown link to a file — `[text](page.md)`, `[text](docs/page.md#anchor)`,
+  `[text](#anchor)` — must name a file that exists, relative to the linking document, and
+  an anchor, where it gives one, must be a heading's anchor in that file (a markdown file):
+  GitHub's rule, which mkdocs follows for plain headings. Links with a scheme (`https:`)
+  are not checked.
 - **Commands.** Every `draftgen VERB ...` shown in a code block (a line that starts with
   it) or an inline code span, every span that starts with a verb (`run --metrics-port`,
   `plan --server/--from-run`), and every bare `--option` span in the same paragraph or list
@@ -30,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parents[1]
 HELP_TIMEOUT_S = 60.0
@@ -40,7 +49,8 @@ _LIST_ITEM = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
 # "see X", "(see X and Y)"; X starts with a capital letter and ends at punctuation.
 _SEE = re.compile(r"\b[Ss]ee\s+(?P<ref>[A-Z][^.,;:!?()\[\]{}\"\x00\n]*)")
-_ANCHOR_LINK = re.compile(r"\]\(#(?P<anchor>[^)\s]*)\)")
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+_SCHEME = re.compile(r"^(?:[A-Za-z][A-Za-z0-9+.-]*:|//)")
 _OPTION = re.compile(r"^--?[A-Za-z][A-Za-z0-9_-]*$")
 _COMMAND_LINE = re.compile(r"^\s*(?:\$\s+)?(?:\S*/)?draftgen\s+(?P<rest>.*)$")
 _ENGINE_WORDS = frozenset({"vllm", "sglang", "vllm's", "sglang's", "engine", "engine's"})
@@ -50,7 +60,7 @@ _SPAN_MARK = "\x00"
 
 @dataclass(frozen=True, slots=True)
 class Mention:
-    """Command words shown in the README.
+    """Command words shown in a document.
 
     `command`: the words after `draftgen`, verb first. `maybe`: a code span that starts with
     a lowercase word, a command if that word is a verb. `option`: a bare `--option` span;
@@ -69,7 +79,8 @@ class Document:
     path: Path
     headings: list[tuple[int, str]] = field(default_factory=list)  # (level, text)
     references: list[tuple[int, str]] = field(default_factory=list)  # (line, words)
-    anchors: list[tuple[int, str]] = field(default_factory=list)  # (line, anchor)
+    # (line, target): every link without a scheme, `#anchor`, `page.md`, `page.md#anchor`
+    links: list[tuple[int, str]] = field(default_factory=list)
     mentions: list[Mention] = field(default_factory=list)
 
 
@@ -81,7 +92,20 @@ class Help:
     commands: frozenset[str]
 
 
-# --- reading the README ----------------------------------------------------------------------
+# --- reading the documents -------------------------------------------------------------------
+
+
+def default_documents(root: Path = ROOT) -> list[Path]:
+    """README.md and every page under docs/."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def shown(path: Path) -> str:
+    """A path as a problem line names it: relative to the repository where it is inside."""
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def read_document(path: Path) -> Document:
@@ -126,7 +150,7 @@ def _code_line(doc: Document, number: int, line: str) -> None:
 
 
 def _prose_block(doc: Document, block: Sequence[tuple[int, str]]) -> None:
-    """One paragraph or list item: its references, anchors and command mentions."""
+    """One paragraph or list item: its references, links and command mentions."""
     if not block:
         return
     starts: list[int] = []
@@ -142,8 +166,9 @@ def _prose_block(doc: Document, block: Sequence[tuple[int, str]]) -> None:
     masked = _CODE_SPAN.sub(lambda m: _SPAN_MARK * len(m.group(0)), text)
     for m in _SEE.finditer(masked):
         doc.references.append((line_at(m.start()), m.group("ref").strip()))
-    for m in _ANCHOR_LINK.finditer(masked):
-        doc.anchors.append((line_at(m.start()), m.group("anchor")))
+    for m in _LINK.finditer(masked):
+        if not _SCHEME.match(m.group("target")):
+            doc.links.append((line_at(m.start()), m.group("target")))
     before: list[tuple[str, ...]] = []
     for m in _CODE_SPAN.finditer(text):
         span = " ".join(m.group(2).split())
@@ -283,10 +308,14 @@ def _words(text: str) -> list[str]:
     return [w for w in (re.sub(r"[^\w]", "", w.lower()) for w in text.split()) if w]
 
 
-def check_references(doc: Document) -> tuple[list[str], int]:
-    """Problems, and how many references were checked."""
-    sections = [text for level, text in doc.headings if level in (2, 3)]
-    heading_words = [_words(h) for h in sections]
+SECTION_LEVELS = (1, 2, 3)
+
+
+def check_references(doc: Document, documents: Iterable[Document] = ()) -> tuple[list[str], int]:
+    """Problems with `doc`'s section references, and how many were checked: each must name a
+    `#`, `##` or `###` heading of `doc` or of one of `documents`."""
+    heading_words = [_words(text) for d in (doc, *documents)
+                     for level, text in d.headings if level in SECTION_LEVELS]
 
     def names_a_section(ref: str) -> bool:
         want = _words(ref)
@@ -299,14 +328,34 @@ def check_references(doc: Document) -> tuple[list[str], int]:
         for part in parts:
             checked += 1
             if not names_a_section(part):
-                problems.append(f"{doc.path}:{line}: 'see {part}' names no section "
-                                f"(no ## or ### heading starts with {part!r})")
-    slugs = github_anchors(h for _, h in doc.headings)
-    for line, anchor in doc.anchors:
-        checked += 1
-        if anchor not in slugs:
-            problems.append(f"{doc.path}:{line}: link to #{anchor} names no heading")
+                problems.append(f"{shown(doc.path)}:{line}: 'see {part}' names no section "
+                                f"(no #, ## or ### heading starts with {part!r})")
     return problems, checked
+
+
+def check_links(doc: Document, documents: Iterable[Document] = ()) -> tuple[list[str], int]:
+    """Problems with `doc`'s links, and how many were checked: each must name a file that
+    exists (relative to `doc`) and, where it gives an anchor, a heading of that file. A file
+    among `documents` is not read again."""
+    known = {d.path.resolve(): d for d in (doc, *documents)}
+    problems = []
+    for line, target in doc.links:
+        where = f"{shown(doc.path)}:{line}: link to {target}"
+        name, _, anchor = target.partition("#")
+        path = (doc.path.parent / unquote(name)).resolve() if name else doc.path.resolve()
+        if not path.exists():
+            problems.append(f"{where}: no file {shown(path)}")
+            continue
+        if not anchor:
+            continue
+        if path.suffix.lower() not in (".md", ".markdown"):
+            problems.append(f"{where}: an anchor into {shown(path)}, which is not markdown")
+            continue
+        if path not in known:
+            known[path] = read_document(path)
+        if anchor not in github_anchors(h for _, h in known[path].headings):
+            problems.append(f"{where}: {shown(path)} has no heading with anchor #{anchor}")
+    return problems, len(doc.links)
 
 
 def github_anchors(headings: Iterable[str]) -> set[str]:
@@ -327,14 +376,14 @@ def check_commands(doc: Document, cli: Cli) -> tuple[list[str], int]:
     try:
         verbs = cli.help(()).commands
     except CliError as e:
-        return [f"{doc.path}: cannot read the CLI's commands: {e}"], 0
+        return [f"{shown(doc.path)}: cannot read the CLI's commands: {e}"], 0
     cli.prefetch((v,) for v in verbs)
     groups = [v for v in verbs if cli.known((v,)) and cli.help((v,)).commands]
     cli.prefetch((g, c) for g in groups for c in cli.help((g,)).commands)
     problems: list[str] = []
     checked = 0
     for m in doc.mentions:
-        where = f"{doc.path}:{m.line}: `{m.text}`"
+        where = f"{shown(doc.path)}:{m.line}: `{m.text}`"
         if m.kind == "option":
             latest = next((b for b in reversed(m.before) if b and b[0] in verbs), None)
             if latest is None:
@@ -389,25 +438,42 @@ def _command_path(tokens: Sequence[str], cli: Cli,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) > 1 or any(a.startswith("-") for a in args):
-        print("usage: check_docs.py [README.md]", file=sys.stderr)
+    if any(a.startswith("-") for a in args):
+        print("usage: check_docs.py [FILE.md|DIR ...]", file=sys.stderr)
         return 2
-    path = Path(args[0]) if args else ROOT / "README.md"
-    try:
-        doc = read_document(path)
-    except OSError as e:
-        print(f"docs: cannot read {path}: {e.strerror}", file=sys.stderr)
-        return 2
-    ref_problems, refs = check_references(doc)
-    cmd_problems, cmds = check_commands(doc, Cli())
-    problems = ref_problems + cmd_problems
+    paths: list[Path] = []
+    for arg in args:
+        path = Path(arg)
+        paths.extend(sorted(path.rglob("*.md")) if path.is_dir() else [path])
+    docs = []
+    for path in paths or default_documents():
+        try:
+            docs.append(read_document(path))
+        except OSError as e:
+            print(f"docs: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 2
+    cli = Cli()
+    problems: list[str] = []
+    refs = links = cmds = 0
+    for doc in docs:
+        others = [d for d in docs if d is not doc]
+        found, n = check_references(doc, others)
+        problems += found
+        refs += n
+        found, n = check_links(doc, others)
+        problems += found
+        links += n
+        found, n = check_commands(doc, cli)
+        problems += found
+        cmds += n
     for p in problems:
         print(p)
-    name = "README" if path.resolve() == ROOT / "README.md" else str(path)
+    names = ", ".join(shown(d.path) for d in docs) if len(docs) <= 3 else f"{len(docs)} files"
     if problems:
-        print(f"docs: {name}: {len(problems)} problem(s)", file=sys.stderr)
+        print(f"docs: {names}: {len(problems)} problem(s)", file=sys.stderr)
         return 1
-    print(f"docs: {name} ok ({refs} sections referenced, {cmds} commands/options checked)")
+    print(f"docs: {names} ok ({refs} sections referenced, {links} links followed, "
+          f"{cmds} commands/options checked)")
     return 0
 
 

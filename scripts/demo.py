@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.engine.tinymodel import build_tiny_model
+from draftgen.local.tinymodel import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "demo" / "job.yaml"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftgen.servers.gateway import SMG_VERSION, gateway_command
+from draftgen.gateways.smg.api import SMG_VERSION, gateway_command
 
 launch_router = pytest.importorskip("smg.launch_router", reason="the gateway extra (smg)")
 

@@ -7,7 +7,7 @@ launches the Kimi example with. `/v1/loads` bodies come from its own route funct
 the tokenizer manager's `get_loads`, which is how a slot nobody has published yet reads as
 zeros). `/metrics` text comes from each release's own scheduler and tokenizer collectors,
 one forked process per DP rank, merged by prometheus_client's multiprocess collector as
-the server does. All of it goes through the engine family (`servers/engines/`) and
+the server does. All of it goes through the engine family (`engines/`) and
 `sglang.info.parse_server_info`, and every figure must come back as it was put in. The
 metric names draftgen looks for must exist in the releases' collectors.
 """
@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 from conftest import SGLANG_VERSIONS, Oracle, OraclePool
 
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.registry import engine_for, read_metrics
-from draftgen.servers.engines.sglang import load as sglang_load
-from draftgen.servers.engines.sglang.info import is_sglang_server_info, parse_server_info
-from draftgen.servers.engines.sglang.load import info_capacity as read_server_info
-from draftgen.servers.engines.sglang.load import read_loads as read_sglang_loads
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.registry import engine_for, read_metrics
+from draftgen.engines.sglang import load as sglang_load
+from draftgen.engines.sglang.info import is_sglang_server_info, parse_server_info
+from draftgen.engines.sglang.load import info_capacity as read_server_info
+from draftgen.engines.sglang.load import read_loads as read_sglang_loads
 from draftgen.servers.profile import load_profile
 
 ROOT = Path(__file__).resolve().parents[2]

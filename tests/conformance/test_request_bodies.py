@@ -24,9 +24,9 @@ from conftest import Oracle
 
 from draftgen.client import ChatClient
 from draftgen.client.context import prompt_tokens
+from draftgen.engines.registry import engine_for
 from draftgen.job import Sampling
 from draftgen.sample import Sample, base_body, request_body
-from draftgen.servers.engines.registry import engine_for
 
 MODEL = "kimi-k2.5"
 SAMPLING = Sampling(

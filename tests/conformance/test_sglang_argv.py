@@ -20,8 +20,8 @@ import pytest
 import yaml
 from conftest import ORACLES, Oracle
 
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.registry import engine_for
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 import pytest
 
-from draftgen.engine import build_tiny_model
 from draftgen.export import ExportOptions, export_run
+from draftgen.local import build_tiny_model
 from draftgen.sample import Record, Sample, Turn
 from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter

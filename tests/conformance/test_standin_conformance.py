@@ -23,8 +23,8 @@ import pytest
 from conftest import Oracle
 from prometheus_client.parser import text_string_to_metric_families
 
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.sglang.engine import SGLang
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.sglang.engine import SGLang
 from draftgen.servers.profile import ServerProfile
 from helpers.sglang_standin import (
     KV_CACHE_DTYPES,

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from conftest import ORACLES, Oracle
 
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.registry import engine_for
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
 from draftgen.servers.tune_section import Levers
 from draftgen.tune.candidates import HostFacts, build_grid

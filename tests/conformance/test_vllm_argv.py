@@ -19,7 +19,7 @@ import pytest
 import yaml
 from conftest import Oracle
 
-from draftgen.servers.engines.registry import engine_for
+from draftgen.engines.registry import engine_for
 from draftgen.servers.profile import ServerProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ like 0.5.9), for the older-release tests; argv parsing knows only the two.
   "unrecognized arguments" (0.5.9 has no `--attn-dp-size`); a layout the release refuses
   exits 1 with its error. 0.5.23 resolves `--dp-size N --enable-dp-attention` to dp_size 1,
   attn_dp_size N (with its deprecation warning), refuses `--dp-size N --attn-dp-size M`.
-- `python -c PROBE PATH DIST...` (draftgen.servers.engines.install.detect_install): answers as a
+- `python -c PROBE PATH DIST...` (draftgen.engines.install.detect_install): answers as a
   Python with that SGLang installed, `{"version", "flags", "dist"}`, the flags being this
   parser's option strings.
 - `GET /health`, `/health_generate`: 503 while starting (the first `starting_polls`

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.engine import LocalEngine, build_tiny_model
-from draftgen.engine.tinymodel import build_rounded_model
+from draftgen.local import LocalEngine, build_tiny_model
+from draftgen.local.tinymodel import build_rounded_model
 
 _HERE = Path(__file__).resolve().parent
 REPO_ROOT = _HERE.parents[1]

@@ -11,8 +11,8 @@ from pathlib import Path
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from draftgen.engine import LocalEngine
 from draftgen.job import load_job
+from draftgen.local import LocalEngine
 from draftgen.planning.calibrate import calibrate
 from draftgen.planning.capacity import predict
 from draftgen.planning.measured import measure_from_run

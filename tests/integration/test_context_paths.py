@@ -23,7 +23,7 @@ from test_pipeline import draftgen, shard_records
 
 from draftgen.client import ChatClient
 from draftgen.client.context import one_token_count
-from draftgen.engine import LocalEngine
+from draftgen.local import LocalEngine
 from draftgen.running.context import (
     CHARS_PER_TOKEN_AT_MOST,
     MIN_ANSWER_TOKENS,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from draftgen.engine import EngineError, LocalEngine, build_tiny_model
+from draftgen.local import EngineError, LocalEngine, build_tiny_model
 
 PROMPTS = [
     [{"role": "user", "content": "Explain what a key-value cache is."}],

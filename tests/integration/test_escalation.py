@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 from test_pipeline import draftgen, shard_records
 
-from draftgen.engine import LocalEngine
+from draftgen.local import LocalEngine
 
 
 def test_rerun_truncated_escalates_to_the_long_partition(

@@ -21,8 +21,8 @@ import pytest
 from test_pipeline import PY, shard_records
 from test_reliability import assert_each_planned_id_once, ledger_lines, wait_for
 
-from draftgen.engine import LocalEngine
-from draftgen.servers.gateway import gateway_command, parse_workers
+from draftgen.gateways.smg.api import gateway_command, parse_workers
+from draftgen.local import LocalEngine
 from draftgen.servers.process import find_free_port
 from draftgen.testing.faultproxy import FaultProxy
 from draftgen.testing.faults import FaultMix

@@ -13,11 +13,11 @@ import pytest
 
 from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK
-from draftgen.engine import LocalEngine
+from draftgen.engines.load import FIELDS, ServerLoad
 from draftgen.job import load_job
+from draftgen.local import LocalEngine
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.schedule.adaptive import PREEMPT_OK, PREEMPT_SLACK
-from draftgen.servers.engines.load import FIELDS, ServerLoad
 
 BLOCKS = 16
 REQUESTS = 24

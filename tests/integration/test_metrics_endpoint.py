@@ -10,8 +10,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from test_reliability import job_file
 
-from draftgen.engine import LocalEngine
 from draftgen.job import load_job
+from draftgen.local import LocalEngine
 from draftgen.running.runner import Runner, RunOptions
 
 

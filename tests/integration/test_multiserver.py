@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_pipeline import PY, shard_records
 from test_reliability import assert_each_planned_id_once
 
-from draftgen.engine import LocalEngine
+from draftgen.local import LocalEngine
 
 N = 160
 

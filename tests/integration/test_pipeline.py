@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from draftgen.engine import LocalEngine
+from draftgen.local import LocalEngine
 
 PY = [sys.executable, "-m", "draftgen"]
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.engine import LocalEngine
+from draftgen.local import LocalEngine
 from draftgen.probe import ProbeResult, ProbeThresholds, load_prompts, run_probe
 from draftgen.tune.referee import RecordedReference, probe_against, record_reference
 
@@ -111,7 +111,7 @@ async def test_float32_candidate_shows_clearly_larger_divergence(
     assert drift.exact_match_rate < 1
 
     # Batched, as `draftgen probe` runs, against the noise floor of the same probe on the
-    # engine itself, with thresholds set by that floor (as the README says to set them).
+    # engine itself, with thresholds set by that floor (as docs/data-quality.md says to set them).
     same = batched_self
     strict = ProbeThresholds(max_mean_kl=CLEAR_OF_NOISE * same.mean_kl, min_top1=0.0,
                              min_exact_match=same.exact_match_rate)

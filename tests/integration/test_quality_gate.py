@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from draftgen.engine import EngineError, LocalEngine
+from draftgen.local import EngineError, LocalEngine
 from draftgen.probe import ProbeResult, ProbeThresholds, load_prompts, run_probe
 from draftgen.probe.gate import GateSettings
 

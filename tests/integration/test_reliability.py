@@ -1,8 +1,8 @@
 """Nothing lost, nothing duplicated: faults, engine restarts, hangs, kills, signals, full
 disks and bad input, all against the real local engine.
 
-Each test prints one `RELIABILITY` line with what it injected and what came out; the
-README's Reliability section quotes them.
+Each test prints one `RELIABILITY` line with what it injected and what came out;
+docs/reliability.md quotes them.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import orjson
 import pytest
 from test_pipeline import PY, draftgen, shard_records
 
-from draftgen.engine import LocalEngine
 from draftgen.job import load_job
+from draftgen.local import LocalEngine
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.testing.faultproxy import FaultProxy
 from draftgen.testing.faults import FaultMix

@@ -15,11 +15,11 @@ import orjson
 import pytest
 from test_pipeline import shard_records
 
-from draftgen.engine import LocalEngine
 from draftgen.errors import JobError
 from draftgen.export import ExportOptions, export_run
 from draftgen.export.base import ExportContext
 from draftgen.export.token_ids import TokensFormat, server_token_ids
+from draftgen.local import LocalEngine
 from draftgen.reporting.status import read_status
 from draftgen.sample import Message, Record, Sample, Turn
 from draftgen.store import RunStore

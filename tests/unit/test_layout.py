@@ -1,5 +1,6 @@
-"""The package's shape: modules stay small enough to read, or say on line 1 why not, and
-only the engine family names an engine.
+"""The package's shape: modules stay small enough to read, or say on line 1 why not; only
+the engine family names an engine and only the gateway family a gateway; no package holds
+more than its share of the lines.
 
 The import contracts themselves are `lint-imports` in `make lint` (pyproject.toml)."""
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 import draftgen
-from draftgen.servers.engines.registry import ENGINES
+from draftgen.engines.registry import ENGINES
+from draftgen.gateways.registry import GATEWAYS as GATEWAY_KINDS
 
 PACKAGE = Path(draftgen.__file__).parent
 MAX_LINES = 400
@@ -40,7 +42,8 @@ def test_the_size_rule_sees_a_long_module(tmp_path: Path, first_line: str, flagg
         ["big.py (11 lines)"] if flagged else [])
 
 
-FAMILY = PACKAGE / "servers" / "engines"
+FAMILY = PACKAGE / "engines"
+GATEWAYS = PACKAGE / "gateways"
 CITATION = re.compile(r"[\w.-]+/[\w.-]+#\d+")
 
 
@@ -73,6 +76,58 @@ def engine_literals(root: Path, names: set[str], family: Path | None = None) -> 
 def test_no_module_outside_the_engine_family_names_an_engine() -> None:
     names = {e.name for e in ENGINES.values()}
     assert engine_literals(PACKAGE, names, FAMILY) == []
+
+
+def gateway_literals(root: Path, family: Path | None = None) -> list[str]:
+    """What names a gateway or its API outside the gateway family: its name as code (the
+    engine rule) and every header and endpoint path the family's gateways use."""
+    kinds = GATEWAY_KINDS.values()
+    found = engine_literals(root, {g.name for g in kinds}, family)
+    api = {v for g in kinds for v in (g.routing_header, g.served_header, g.workers_path,
+                                      g.metrics_path)}
+    for path in sorted(root.rglob("*.py")):
+        if family is not None and (path == family or family in path.parents):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in api:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_module_outside_the_gateway_family_names_a_gateway_or_its_endpoints() -> None:
+    assert gateway_literals(PACKAGE, GATEWAYS) == []
+
+
+@pytest.mark.parametrize("code, flagged", [
+    ('x = "smg"', True), ('x = "/engine_metrics"', True), ('x = "/workers"', True),
+    ('x = "/metrics"', False), ('"""The smg gateway: prose."""', False),
+])
+def test_the_gateway_rule_sees_names_and_endpoints(tmp_path: Path, code: str,
+                                                   flagged: bool) -> None:
+    (tmp_path / "m.py").write_text(code + "\n")
+    assert bool(gateway_literals(tmp_path)) == flagged
+
+
+MAX_SHARE = 0.15
+
+
+def oversized_packages(root: Path, max_share: float = MAX_SHARE) -> list[str]:
+    """Packages (the top-level folders) holding more than `max_share` of the lines."""
+    sizes = {p: sum(len(f.read_text().splitlines()) for f in p.rglob("*.py"))
+             for p in root.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    total = sum(len(f.read_text().splitlines()) for f in root.rglob("*.py"))
+    return [f"{p.name}: {n / total:.0%}" for p, n in sorted(sizes.items()) if n > max_share * total]
+
+
+def test_no_package_holds_more_than_its_share_of_the_lines() -> None:
+    assert oversized_packages(PACKAGE) == []
+
+
+def test_the_share_rule_sees_a_large_package(tmp_path: Path) -> None:
+    for name, lines in (("big", 8), ("small", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("x = 1\n" * lines)
+    assert oversized_packages(tmp_path, max_share=0.5) == ["big: 80%"]
 
 
 @pytest.mark.parametrize("code, flagged", [

@@ -36,7 +36,7 @@ def load(job_file: Path) -> JobSpec:
 
 def check_url_option(url: str, where: str) -> None:
     """A server URL is checked before anything connects (or a plan is built)."""
-    from draftgen.servers.attach import check_url
+    from draftgen.running.attach import check_url
 
     try:
         check_url(url, where)

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from draftgen.engines.info import ServerInfoError
+from draftgen.engines.memory import MemoryModelError
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
-from draftgen.servers.engines.info import ServerInfoError
-from draftgen.servers.engines.memory import MemoryModelError
-from draftgen.servers.engines.registry import engine_for
-from draftgen.servers.gateway import GatewayError, gateway_command
-from draftgen.servers.gateway_launch import (
+from draftgen.gateways.base import GatewayError
+from draftgen.gateways.launch import (
     GatewayRecord,
     gateway_alive,
     launch_gateway,
@@ -29,11 +29,12 @@ from draftgen.servers.gateway_launch import (
     stop_gateway,
     workers_alive,
 )
-from draftgen.servers.gateway_profile import (
+from draftgen.gateways.profile import (
     GatewayProfile,
     gateway_profile_hash,
     load_any_profile,
 )
+from draftgen.gateways.registry import gateway_for
 from draftgen.servers.launcher import (
     LaunchError,
     Verified,
@@ -254,9 +255,11 @@ def _gateway_dry_run(profile: GatewayProfile, out: TextIO) -> int:
         urls.append(engine_for(worker.engine).url(worker))
     settings = profile.gateway
     print(f"# the gateway, started once every worker answers: {profile.server_name}", file=out)
-    print(shlex.join(gateway_command(profile.interpreter, host=settings.host,
-                                     port=settings.port, metrics_port=settings.metrics_port,
-                                     worker_urls=urls, backend=profile.backend)), file=out)
+    print(shlex.join(gateway_for().command(profile.interpreter, host=settings.host,
+                                           port=settings.port,
+                                           metrics_port=settings.metrics_port,
+                                           worker_urls=urls, backend=profile.backend)),
+          file=out)
     for flag, port in (("--port", settings.port), ("--prometheus-port", settings.metrics_port)):
         if port == 0:
             print(f"# {flag} 0: a free port is chosen at start", file=out)

@@ -38,8 +38,8 @@ def serve(
     """Launch a server from a profile, wait for a real generation, verify it, summarise; a
     gateway profile launches its workers side by side, then the gateway in front."""
     from draftgen.cli.serve import serve as serve_profile
+    from draftgen.gateways.profile import GatewayProfile, load_any_profile
     from draftgen.servers import check_profile
-    from draftgen.servers.gateway_profile import GatewayProfile, load_any_profile
 
     # Bad input stops here with one `error:` line; what is left for `serve` to report
     # concerns the server itself.
@@ -169,7 +169,7 @@ def tune(
 @engine_app.command("build-model")
 def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
     """Build the tiny deterministic test model (no downloads)."""
-    from draftgen.engine.tinymodel import STAMP_NAME, build_tiny_model
+    from draftgen.local.tinymodel import STAMP_NAME, build_tiny_model
 
     # The build replaces what is at OUT_DIR: only ever an earlier build, never a user's files.
     if out_dir.exists() and not out_dir.is_dir():

@@ -17,10 +17,10 @@ from typing import NamedTuple
 
 from draftgen.client.classify import error_object
 from draftgen.client.openai import CHAT_PATH, ChatClient
+from draftgen.engines.base import CountRequest
+from draftgen.engines.registry import ENGINES
 from draftgen.errors import RequestError
 from draftgen.sample import Message
-from draftgen.servers.engines.base import CountRequest
-from draftgen.servers.engines.registry import ENGINES
 
 # (context, prompt) in a server's refusal, as each engine words it.
 _REFUSALS = (

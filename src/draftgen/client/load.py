@@ -1,7 +1,7 @@
 """What a server says about its own load: KV capacity and usage, queue, preemptions.
 
 One `LoadPoller` per server URL. On its first answer it finds out which endpoint the server
-has, asking the engines of the registry (`servers/engines/`) in this order, and then keeps
+has, asking the engines of the registry (`engines/`) in this order, and then keeps
 asking only that one:
 
 - an engine's JSON load endpoint (`Engine.loads_path`, e.g. one entry per DP rank, summed).
@@ -27,8 +27,8 @@ from typing import Literal
 import aiohttp
 
 from draftgen.clock import Clock
-from draftgen.servers.engines.base import Engine
-from draftgen.servers.engines.load import (
+from draftgen.engines.base import Engine
+from draftgen.engines.load import (
     COUNTERS,
     Reading,
     ServerLoad,
@@ -36,7 +36,7 @@ from draftgen.servers.engines.load import (
     put_usage,
     server_load,
 )
-from draftgen.servers.engines.registry import ENGINES, read_metrics_body
+from draftgen.engines.registry import ENGINES, read_metrics_body
 
 
 @dataclass(frozen=True)

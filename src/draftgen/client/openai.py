@@ -31,8 +31,8 @@ from draftgen.client.http import KEEPALIVE_S
 from draftgen.client.sse import DONE, SSEDecoder
 from draftgen.clock import REAL_CLOCK, Clock
 from draftgen.errors import RequestError, RunError, ServerDown, Transient
+from draftgen.gateways.registry import served_by as served_worker
 from draftgen.sample import Turn
-from draftgen.servers.gateway import ROUTED_WORKER_HEADER
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -148,7 +148,7 @@ class ChatClient:
         except (aiohttp.ClientError, TimeoutError) as err:
             raise self._before_response_error(err, url) from err
         async with response:
-            served_by = response.headers.get(ROUTED_WORKER_HEADER)
+            served_by = served_worker(response.headers)
             if not 200 <= response.status < 300:
                 raise classify_status(
                     response.status, await _read_error_body(response), secret=self._api_key

@@ -24,11 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from draftgen.client import ChatClient
 from draftgen.client.context import context_length
 from draftgen.client.http import Session, get_text, open_session
+from draftgen.engines.load import Reading
+from draftgen.engines.registry import read_metrics
 from draftgen.errors import RequestError
 from draftgen.planning.measured import Measured
 from draftgen.planning.workload import DecodeSpeed
-from draftgen.servers.engines.load import Reading
-from draftgen.servers.engines.registry import read_metrics
 from draftgen.servers.info import ServerInfo, ServerInfoError, fetch_server_info
 
 # --- from a live server ---------------------------------------------------------------

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.clock import format_duration
+from draftgen.engines.memory import MemoryModelError
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.planning.budget import CapPlan, fit_caps
@@ -27,8 +29,6 @@ from draftgen.planning.measured import Measured, measure_from_run
 from draftgen.planning.plan import Plan
 from draftgen.planning.workload import DecodeSpeed, Workload
 from draftgen.sample import base_body
-from draftgen.servers.engines.memory import MemoryModelError
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.prediction import ProfileMemory, memory_facts, predict_profile
 from draftgen.servers.profile import ServerProfile
 

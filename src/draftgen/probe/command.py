@@ -12,6 +12,8 @@ from pathlib import Path
 import orjson
 
 from draftgen.client.http import open_session
+from draftgen.engines.registry import scoring_server as connect
+from draftgen.engines.scoring import Http, ScoringServer
 from draftgen.errors import DraftgenError, JobError
 from draftgen.job import Source
 from draftgen.probe.drift import (
@@ -24,8 +26,6 @@ from draftgen.probe.drift import (
 )
 from draftgen.probe.gate import GateSettings, PromptPaths, gate_prompt, judge
 from draftgen.sample import Message
-from draftgen.servers.engines.registry import scoring_server as connect
-from draftgen.servers.engines.scoring import Http, ScoringServer
 from draftgen.sources.base import RowRejection, normalise_row, shape
 from draftgen.store.atomic import write_atomic
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import Any
 
-from draftgen.probe.drift import is_argmax, matching_prefix, topk_kl
-from draftgen.servers.engines.scoring import Position, ProbeError, ScoringServer
+from draftgen.engines.scoring import Position, ProbeError, ScoringServer
+from draftgen.probe.distance import is_argmax, matching_prefix, topk_kl
 
 POWER = 0.8
 GREEDY = "greedy (no decode logprobs)"

@@ -13,7 +13,7 @@ answer from a worker the run has not accepted is not kept.
 
 A new worker whose own URL does not answer (in a cluster often only the gateway is
 reachable) is `relayed`: verified from what the gateway relays of it (its metrics and
-labels), its load read from the gateway's page (client/gateway_load.py), and alive while
+labels), its load read from the gateway's page (gateways/load.py), and alive while
 the gateway lists it as ready. One that answers is read directly, as any server.
 """
 
@@ -31,14 +31,9 @@ from draftgen.client import ChatClient
 from draftgen.client.http import Session, answers, get_text
 from draftgen.clock import Clock
 from draftgen.errors import DraftgenError
+from draftgen.gateways.base import Gateway, GatewayError, Worker
+from draftgen.gateways.registry import gateway_for
 from draftgen.schedule.pool import Route, ServerPool, ServerState
-from draftgen.servers.gateway import (
-    ROUTING_KEY_HEADER,
-    WORKERS_PATH,
-    GatewayError,
-    Worker,
-    parse_workers,
-)
 
 WATCH_EVERY_S = 2.0
 # Keys tried to find one that lands on a given worker (random pinning: with W workers each
@@ -57,8 +52,9 @@ Verify = Callable[[str, str, bool], Awaitable[bool]]
 class GatewayWorkers:
     def __init__(self, gateways: list[str], *, client: ChatClient, session: Session,
                  model: str, verify: Verify, clock: Clock,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], kind: Gateway | None = None) -> None:
         self.gateways = gateways
+        self.kind = gateway_for() if kind is None else kind
         self._client = client
         self._session = session
         self._model = model
@@ -76,13 +72,14 @@ class GatewayWorkers:
 
     async def read(self, gateway: str) -> list[Worker] | None:
         """The gateway's workers now; None when it does not answer (it may be restarting)."""
-        text = await get_text(self._session, gateway + WORKERS_PATH)
+        where = gateway + self.kind.workers_path
+        text = await get_text(self._session, where)
         if text is None:
             return None
         try:
-            return parse_workers(orjson.loads(text), gateway + WORKERS_PATH)
+            return self.kind.parse_workers(orjson.loads(text), where)
         except orjson.JSONDecodeError:
-            raise GatewayError(f"{gateway}{WORKERS_PATH}: not JSON") from None
+            raise GatewayError(f"{where}: not JSON") from None
 
     async def discover(self) -> dict[str, Route]:
         """Every ready, accepted worker of every gateway with its route, before the run."""
@@ -90,7 +87,8 @@ class GatewayWorkers:
         for gateway in self.gateways:
             workers = await self.read(gateway)
             if workers is None:
-                raise GatewayError(f"{gateway}{WORKERS_PATH}: the gateway does not answer")
+                raise GatewayError(f"{gateway}{self.kind.workers_path}: the gateway does not "
+                                   "answer")
             await self._sort_out(gateway, workers)
             for w in workers:
                 if (route := await self._admit(gateway, w)) is not None:
@@ -139,7 +137,7 @@ class GatewayWorkers:
                       f"started with --policy manual?); not sending to it, trying again in "
                       f"{KEY_RETRY_S:.0f}s")
             return None
-        return Route(gateway, {ROUTING_KEY_HEADER: key}, relayed=worker.url in self.relayed)
+        return Route(gateway, {self.kind.routing_header: key}, relayed=worker.url in self.relayed)
 
     async def _key_for(self, gateway: str, worker: str) -> str | None:
         if worker in self.keys and worker not in self._relearn:
@@ -150,7 +148,7 @@ class GatewayWorkers:
             key = f"draftgen-{self._tag}-{self._n}"
             body: dict[str, Any] = {"model": self._model, "max_tokens": 1,
                                     "messages": [{"role": "user", "content": "ping"}]}
-            done = await self._client.chat(gateway, body, headers={ROUTING_KEY_HEADER: key})
+            done = await self._client.chat(gateway, body, headers={self.kind.routing_header: key})
             served = done.served_by
             if served is None:
                 return None  # not a gateway that names its workers
@@ -192,7 +190,7 @@ class GatewayWorkers:
         key = await self._key_for(gateway, server.url)
         if key is None:
             raise GatewayError(f"{gateway}: no routing key lands on {server.url}")
-        server.route = dataclasses.replace(route, headers={ROUTING_KEY_HEADER: key})
+        server.route = dataclasses.replace(route, headers={self.kind.routing_header: key})
 
     async def watch(self, pool: ServerPool, stop: asyncio.Event) -> None:
         """Keep `pool` to what the gateways list, every WATCH_EVERY_S, until `stop`."""

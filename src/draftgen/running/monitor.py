@@ -19,15 +19,15 @@ from typing import IO, Any
 
 import orjson
 
-from draftgen.client.gateway_load import FRESH_S, GatewayLoads, RelayedPoller
 from draftgen.client.http import Session, open_session
 from draftgen.client.load import LoadPoller
 from draftgen.clock import Clock
+from draftgen.engines.load import ServerLoad
+from draftgen.gateways.load import FRESH_S, GatewayLoads, RelayedPoller
 from draftgen.running.metrics import MetricsExporter
 from draftgen.running.stats import RunStats, ServerSnapshot
 from draftgen.schedule.base import Scheduler
 from draftgen.schedule.pool import ServerPool, ServerState
-from draftgen.servers.engines.load import ServerLoad
 from draftgen.store.atomic import write_atomic
 
 EVENTS = "events.jsonl"

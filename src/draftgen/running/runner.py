@@ -28,6 +28,7 @@ from draftgen.errors import JobError
 from draftgen.job import JobSpec, read_api_key
 from draftgen.planning.plan import Plan, build_plan
 from draftgen.planning.replan import escalate, prefix_order
+from draftgen.running.attach import AttachedServers
 from draftgen.running.dispatch import Dispatcher
 from draftgen.running.gateways import GatewayWorkers
 from draftgen.running.metrics import MetricsExporter
@@ -43,7 +44,6 @@ from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.base import Scheduler
 from draftgen.schedule.pool import Route, ServerPool, ServerState
 from draftgen.schedule.static import StaticScheduler
-from draftgen.servers.attach import AttachedServers
 from draftgen.servers.policy import QualityPolicyError
 from draftgen.store import RunStore
 from draftgen.store.reading import UNVERIFIED

@@ -57,11 +57,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from draftgen.engines.load import ServerLoad
 from draftgen.sample import Sample
 from draftgen.schedule.base import Flight, PartitionView, Scheduler
 from draftgen.schedule.pool import ServerState
 from draftgen.schedule.prefixes import SharedPrefixes
-from draftgen.servers.engines.load import ServerLoad
 
 FACTOR_MIN = 0.25
 FACTOR_MAX = 2.0

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from draftgen.engines.load import ServerLoad
 from draftgen.sample import Sample
 from draftgen.schedule.lengths import Lengths
 from draftgen.schedule.pool import ServerState
-from draftgen.servers.engines.load import ServerLoad
 
 
 @dataclass(slots=True)

@@ -1,22 +1,24 @@
-"""Inference servers: profiles, launch argv, what a running server reports, quality policy.
+"""Inference servers: profiles, launch, what a running server reports, quality policy.
 
-    engines/      the engine family: one folder per engine and the contract they implement
     profile.py    ServerProfile (YAML, validated) and its hash; tune_section.py its `tune:`
     info.py       fetch_server_info: what a running server uses (engine detected by URL)
     preflight.py  host RAM and GPU memory before a launch
     prediction.py what a profile will hold before a GPU exists (engines/memory.py, fed)
-    attach.py     a run's servers: launch, verify, configurations
     policy.py     refuse lossy or `auto` KV cache dtypes; the override's manifest stamp
     launcher.py   start / wait_ready / verify / stop / restart, state under state_dir/<name>
+    state.py      what a launched process's state file says (a server's or a gateway's)
     keys.py       a launched server's API key, the secrets of a launch, readiness with the key
     gpu.py        per-GPU memory headroom from nvidia-smi
     summary.py    the one-line summary and what a restart changed
-    process.py    process-group plumbing shared with the local engine
+    process.py    process-group plumbing shared with the local engine and the gateways
+
+What each engine means is the engine family (`draftgen.engines`), what a gateway means the
+gateway family (`draftgen.gateways`); a run's servers are `running/attach.py`.
 """
 
-from draftgen.servers.engines.base import Engine
-from draftgen.servers.engines.info import ServerInfo, ServerInfoError
-from draftgen.servers.engines.registry import engine_for
+from draftgen.engines.base import Engine
+from draftgen.engines.info import ServerInfo, ServerInfoError
+from draftgen.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, read_gpu_memory
 from draftgen.servers.info import check_health, fetch_server_info, manifest_record
 from draftgen.servers.launcher import (

@@ -13,11 +13,8 @@ from typing import Any
 
 import aiohttp
 
-from draftgen.servers.engines.common import get_json, get_text
-from draftgen.servers.engines.info import ServerInfo, ServerInfoError
-from draftgen.servers.engines.registry import ENGINES, engine_for
-from draftgen.servers.gateway import WORKERS_PATH
-from draftgen.servers.gateway_metrics import ENGINE_METRICS_PATH, relayed_info, worker_labels
+from draftgen.engines.info import ServerInfo, ServerInfoError
+from draftgen.engines.registry import ENGINES, engine_for
 from draftgen.servers.profile import ServerProfile, profile_hash
 
 __all__ = [
@@ -26,7 +23,6 @@ __all__ = [
     "bearer",
     "check_health",
     "engine_for",
-    "fetch_relayed_info",
     "fetch_server_info",
     "manifest_record",
 ]
@@ -76,31 +72,6 @@ async def fetch_server_info(
     expected = name or " or ".join(ENGINES)
     signs = " and no ".join(c.signature for c in candidates)
     raise ServerInfoError(f"{base} does not answer like {expected}: no {signs}")
-
-
-async def fetch_relayed_info(
-    gateway: str,
-    url: str,
-    *,
-    profile: ServerProfile | None = None,
-    api_key: str | None = None,
-) -> ServerInfo:
-    """What the worker at `url`, reached only through `gateway`, runs with, as the gateway
-    relays it (its `/engine_metrics` and `/workers`, see servers/gateway_metrics.py).
-    Raises `ServerInfoError` when the gateway does not answer or list the worker, or what it
-    relays does not say (an engine that keeps its settings out of its metrics)."""
-    async with _session(gateway, None, api_key) as (session, base):
-        metrics = await get_text(session, base + ENGINE_METRICS_PATH)
-        workers = await get_json(session, base + WORKERS_PATH)
-    labels = worker_labels(workers, url)
-    if labels is None:
-        raise ServerInfoError(f"{base}{WORKERS_PATH} does not list {url}")
-    info = relayed_info(url, metrics or "", labels, profile=profile)
-    if info is None:
-        raise ServerInfoError(f"{url} does not answer on its own URL and what {base} relays "
-                              f"of it ({ENGINE_METRICS_PATH}, {WORKERS_PATH}) does not say "
-                              "what it runs with")
-    return info
 
 
 async def check_health(

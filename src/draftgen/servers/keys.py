@@ -18,8 +18,8 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from draftgen.engines.common import flag_value
 from draftgen.errors import redact
-from draftgen.servers.engines.common import flag_value
 from draftgen.servers.profile import ServerProfile
 
 API_KEY_FLAG = "--api-key"

@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from draftgen.engines.info import ServerInfo, ServerInfoError
+from draftgen.engines.registry import engine_for
 from draftgen.errors import DraftgenError, redact
 from draftgen.servers import keys
-from draftgen.servers.engines.info import ServerInfo, ServerInfoError
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, min_headroom_gib, read_gpu_memory, visible_indices
 from draftgen.servers.info import fetch_server_info
 from draftgen.servers.policy import check_profile, check_running
@@ -47,11 +47,9 @@ from draftgen.servers.process import (
     wait_child,
 )
 from draftgen.servers.profile import ServerProfile, profile_hash
+from draftgen.servers.state import state_record
 from draftgen.servers.summary import summary_line
 from draftgen.store.atomic import write_atomic
-
-if TYPE_CHECKING:
-    from draftgen.servers.gateway_profile import GatewayProfile
 
 LOG_FILE = "server.log"
 PID_FILE = "server.pid"
@@ -388,24 +386,6 @@ def last_info(
         return ServerInfo.from_json(data["info"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def state_record(path: Path, key: str, entry: dict[str, Any], status: str,
-                 profile: ServerProfile | GatewayProfile | None) -> dict[str, Any]:
-    """What a launched process's state file says next: the one there, if it is this pid's
-    (`entry["pid"]` under `key`), with `entry`, `status` and its time, and the profile."""
-    record: dict[str, Any]
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        record = {}
-    if record.get(key, {}).get("pid") != entry.get("pid"):
-        record = {}
-    record.update({key: entry, "status": status, f"{status}_at": time.time()})
-    if profile is not None:
-        record["profile"] = profile.model_dump(mode="json")
-        record["profile_file"] = str(profile.source_file) if profile.source_file else None
-    return record
 
 
 def _write_state(

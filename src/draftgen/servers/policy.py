@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.errors import DraftgenError
-from draftgen.servers.dtypes import (
+from draftgen.engines.dtypes import (
     AUTO,
     LOSSLESS_KV_DTYPES,
     canonical_kv_dtype,
     is_known_lossy,
     is_lossy_kv_dtype,
 )
-from draftgen.servers.engines.info import ServerInfo
+from draftgen.engines.info import ServerInfo
+from draftgen.errors import DraftgenError
 from draftgen.servers.profile import ServerProfile, profile_hash
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from draftgen.servers.engines.memory import (
+from draftgen.engines.memory import (
     GB,
     MIB,
     Hardware,
@@ -30,7 +30,7 @@ from draftgen.servers.engines.memory import (
     fit_reserve,
     predict,
 )
-from draftgen.servers.engines.registry import engine_for
+from draftgen.engines.registry import engine_for
 from draftgen.servers.gpu import GpuMemory, read_gpu_memory
 from draftgen.servers.launcher import SUMMARY_FILE
 from draftgen.servers.profile import ServerProfile

@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from draftgen.servers.dtypes import canonical_kv_dtype
-from draftgen.servers.engines.registry import ENGINE_NAMES, engine_for, with_feature
+from draftgen.engines.dtypes import canonical_kv_dtype
+from draftgen.engines.registry import ENGINE_NAMES, engine_for, with_feature
 from draftgen.servers.tune_section import TuneSpace
 from draftgen.yamlfile import load_model
 
@@ -105,7 +105,7 @@ class Quality(_Strict):
 
 class MeasuredKV(_Strict):
     """A KV capacity a server of this model really reported, and what it ran with: the point
-    the memory model fits its one unknown to (`servers/engines/memory.py`)."""
+    the memory model fits its one unknown to (`engines/memory.py`)."""
 
     kv_tokens: int = Field(ge=1)
     mem_fraction: float = Field(gt=0, le=1)

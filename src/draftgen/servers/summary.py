@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftgen.servers.dtypes import short_kv_dtype
-from draftgen.servers.engines.info import ServerInfo
+from draftgen.engines.dtypes import short_kv_dtype
+from draftgen.engines.info import ServerInfo
 from draftgen.servers.gpu import GpuMemory, min_headroom_gib
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from draftgen.servers.dtypes import canonical_kv_dtype
+from draftgen.engines.dtypes import canonical_kv_dtype
 
 
 class _Strict(BaseModel):

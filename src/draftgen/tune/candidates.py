@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.preflight import GB, HICACHE_RESERVE_BYTES, gpu_ranks
 from draftgen.servers.profile import ServerProfile
 from draftgen.servers.tune_section import Levers, TuneSpace

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftgen.clock import format_duration
+from draftgen.engines.memory import MemoryModelError
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
 from draftgen.job import JobSpec
 from draftgen.planning.forecast import forecast, measured_from_profile
 from draftgen.planning.plan import build_plan
-from draftgen.servers.engines.memory import MemoryModelError
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.policy import check_profile
 from draftgen.servers.prediction import ProfileMemory, memory_facts
 from draftgen.servers.preflight import read_available_memory

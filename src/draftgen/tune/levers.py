@@ -3,7 +3,7 @@
 Levers that are profile fields change the field (memory fraction, running limit, KV and
 compute dtype, HiCache, DP attention). The others are engine flags the profile carries in
 `extra_args`, where a candidate replaces whatever the reference set; each engine spells
-them in its own `levers.py` (`servers/engines/<engine>/`): the prefill chunk, the prefix
+them in its own `levers.py` (`engines/<engine>/`): the prefill chunk, the prefix
 cache, speculative decoding, and a CPU build's KV size (an environment variable).
 
 The result is validated again as a profile, so a lever that makes no sense for the engine
@@ -17,10 +17,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from draftgen.engines.base import Engine
+from draftgen.engines.common import drop_flag, flag_value, set_flag
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
-from draftgen.servers.engines.base import Engine
-from draftgen.servers.engines.common import drop_flag, flag_value, set_flag
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.profile import HierarchicalCache, ServerProfile
 from draftgen.servers.tune_section import Levers
 

@@ -34,14 +34,14 @@ from typing import Any
 from draftgen.client.http import open_session
 from draftgen.client.load import LoadPoller
 from draftgen.clock import REAL_CLOCK, Clock
+from draftgen.engines.info import ServerInfoError
+from draftgen.engines.registry import engine_for
+from draftgen.engines.scoring import ProbeError
 from draftgen.errors import DiskError, DraftgenError, JobError, RequestError, redact
 from draftgen.planning.calibrate import capacity_of
 from draftgen.probe.drift import ProbeThresholds
 from draftgen.probe.gate import GateSettings
 from draftgen.sample import Message, Sample
-from draftgen.servers.engines.info import ServerInfoError
-from draftgen.servers.engines.registry import engine_for
-from draftgen.servers.engines.scoring import ProbeError
 from draftgen.servers.gpu import min_headroom_gib
 from draftgen.servers.keys import launch_key, launch_secrets
 from draftgen.servers.launcher import (

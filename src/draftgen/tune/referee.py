@@ -27,6 +27,8 @@ from typing import Any
 import orjson
 
 from draftgen.client.http import open_session
+from draftgen.engines.registry import scoring_server as connect
+from draftgen.engines.scoring import Http, Position, ProbeError
 from draftgen.probe.drift import ProbeResult, ProbeThresholds, compare_prompt, summarise
 from draftgen.probe.gate import (
     GateSettings,
@@ -39,8 +41,6 @@ from draftgen.probe.gate import (
     judge,
 )
 from draftgen.sample import Message
-from draftgen.servers.engines.registry import scoring_server as connect
-from draftgen.servers.engines.scoring import Http, Position, ProbeError
 from draftgen.store.atomic import write_atomic
 
 _TIMEOUT_S = 600.0

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from draftgen.clock import REAL_CLOCK, Clock, format_duration
+from draftgen.engines.install import EngineInstall
+from draftgen.engines.registry import engine_for
 from draftgen.errors import JobError
 from draftgen.job import JobSpec, read_api_key
 from draftgen.planning.measured import measure_from_run
@@ -37,8 +39,6 @@ from draftgen.probe.drift import ProbeThresholds
 from draftgen.probe.gate import GateSettings
 from draftgen.reporting.plots import PlotError
 from draftgen.sample import Sample, base_body
-from draftgen.servers.engines.install import EngineInstall
-from draftgen.servers.engines.registry import engine_for
 from draftgen.servers.policy import check_profile
 from draftgen.servers.preflight import read_available_memory
 from draftgen.servers.profile import ServerProfile, load_profile, profile_hash

@@ -28,11 +28,11 @@ from typing import Any
 
 from draftgen.client import ChatClient
 from draftgen.clock import REAL_CLOCK, Clock
+from draftgen.engines.load import ServerLoad
 from draftgen.errors import RequestError, RunError
 from draftgen.planning.measured import speed_from_intervals
 from draftgen.planning.workload import DecodeSpeed
 from draftgen.sample import Sample, request_body
-from draftgen.servers.engines.load import ServerLoad
 
 LOAD_EVERY_S = 0.5
 

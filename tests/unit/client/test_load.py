@@ -14,11 +14,11 @@ from aiohttp import web
 
 from draftgen.client.load import LoadPoller
 from draftgen.clock import FakeClock
-from draftgen.engine import find_free_port
-from draftgen.servers.engines.load import FIELDS, ServerLoad
-from draftgen.servers.engines.registry import read_metrics
-from draftgen.servers.engines.sglang.load import info_capacity as read_server_info
-from draftgen.servers.engines.sglang.load import read_loads as read_sglang_loads
+from draftgen.engines.load import FIELDS, ServerLoad
+from draftgen.engines.registry import read_metrics
+from draftgen.engines.sglang.load import info_capacity as read_server_info
+from draftgen.engines.sglang.load import read_loads as read_sglang_loads
+from draftgen.local import find_free_port
 
 
 def read_prometheus(text: str) -> tuple[dict[str, float], str | None]:

@@ -12,6 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from draftgen.engines.sglang.info import parse_server_info
+from draftgen.engines.vllm.info import parse_info
 from draftgen.planning.calibrate import (
     calibrate,
     capacity_of,
@@ -25,8 +27,6 @@ from draftgen.planning.measured import (
     speed_from_intervals,
 )
 from draftgen.planning.workload import DecodeSpeed
-from draftgen.servers.engines.sglang.info import parse_server_info
-from draftgen.servers.engines.vllm.info import parse_info
 from draftgen.store.ledger import LedgerEntry
 from draftgen.store.run_store import entry_for
 from draftgen.store.shards import ShardWriter

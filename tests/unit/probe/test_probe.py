@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from draftgen.engines.scoring import Http
+from draftgen.engines.vllm.scoring import VllmServer
 from draftgen.errors import JobError
 from draftgen.probe import (
     Position,
@@ -33,8 +35,6 @@ from draftgen.probe import command as probe_module
 from draftgen.probe.command import DEMO_PROMPTS_DIR
 from draftgen.probe.drift import format_report
 from draftgen.probe.gate import GateSettings
-from draftgen.servers.engines.scoring import Http
-from draftgen.servers.engines.vllm.scoring import VllmServer
 from helpers.scoring_standin import PROMPTS, VOCAB, FakeModel, StandIn, ranked, render, serving
 
 

@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from draftgen.clock import FakeClock
+from draftgen.gateways.base import GatewayError, Worker
+from draftgen.gateways.smg.api import ROUTING_KEY_HEADER
 from draftgen.running import gateways
 from draftgen.running.gateways import GatewayWorkers
 from draftgen.sample import Turn
 from draftgen.schedule.pool import Route, ServerPool, ServerState
-from draftgen.servers.gateway import ROUTING_KEY_HEADER, GatewayError, Worker
 
 GW = "http://gw:1"
 A, B, C = "http://a:1", "http://b:1", "http://c:1"

@@ -3,7 +3,7 @@
 the gateway relays, and never abandoned for a port of its own that does not answer.
 
 The gateway here is an in-process stand-in answering with the recorded smg 1.13.0 page
-(tests/unit/servers/data); the worker URLs in it lead nowhere."""
+(tests/unit/gateways/data); the worker URLs in it lead nowhere."""
 
 from __future__ import annotations
 
@@ -20,22 +20,22 @@ import pytest
 from aiohttp import web
 from test_runner import make_job, rows
 
-from draftgen.client.gateway_load import FRESH_S, GatewayLoads, RelayedPoller
 from draftgen.clock import FakeClock
-from draftgen.engine import find_free_port
+from draftgen.engines.registry import read_metrics
+from draftgen.gateways.load import FRESH_S, GatewayLoads, RelayedPoller
+from draftgen.gateways.smg.api import ROUTED_WORKER_HEADER, ROUTING_KEY_HEADER
 from draftgen.job import load_job
+from draftgen.local import find_free_port
+from draftgen.running.attach import AttachedServers
 from draftgen.running.monitor import RunMonitor
 from draftgen.running.runner import RunOptions, run_job
 from draftgen.running.stats import RunStats
 from draftgen.schedule.adaptive import AdaptiveScheduler
 from draftgen.schedule.pool import Route, ServerPool, ServerState
 from draftgen.servers import QualityPolicyError
-from draftgen.servers.attach import AttachedServers
-from draftgen.servers.engines.registry import read_metrics
-from draftgen.servers.gateway import ROUTED_WORKER_HEADER, ROUTING_KEY_HEADER
 from helpers.fakeserver import completion
 
-DATA = Path(__file__).parents[1] / "servers" / "data"
+DATA = Path(__file__).parents[1] / "gateways" / "data"
 RECORDED = (DATA / "smg-1.13.0-engine_metrics.txt").read_text()
 OWN = (DATA / "vllm-0.32.0-metrics.txt").read_text()
 WORKERS = json.loads((DATA / "smg-1.13.0-workers-busy.json").read_text())

@@ -306,7 +306,7 @@ async def test_a_server_down_at_its_first_check_is_not_back_with_other_settings(
     a change — and the record names it."""
     from aiohttp import web
 
-    from draftgen.servers.attach import AttachedServers
+    from draftgen.running.attach import AttachedServers
     from draftgen.servers.process import find_free_port
     from helpers.sglang_standin import make_app
 

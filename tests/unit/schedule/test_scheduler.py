@@ -9,6 +9,7 @@ from collections import deque
 
 import pytest
 
+from draftgen.engines.load import ServerLoad
 from draftgen.sample import Sample
 from draftgen.schedule import adaptive, lengths
 from draftgen.schedule.adaptive import AdaptiveScheduler
@@ -16,7 +17,6 @@ from draftgen.schedule.base import PartitionView, Scheduler
 from draftgen.schedule.lengths import Lengths
 from draftgen.schedule.pool import ServerState
 from draftgen.schedule.static import StaticScheduler
-from draftgen.servers.engines.load import ServerLoad
 
 
 def sample(i: int, part: str = "short", prompt: int = 100, max_tokens: int = 400,

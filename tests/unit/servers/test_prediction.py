@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from draftgen.cli import app
-from draftgen.servers.engines.memory import GB, MIB, MemoryModelError
+from draftgen.engines.memory import GB, MIB, MemoryModelError
 from draftgen.servers.gpu import GpuMemory
 from draftgen.servers.prediction import SUMMARY_FILE, memory_facts, predict_profile
 from draftgen.servers.profile import load_profile

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from draftgen.cli.serve import serve
+from draftgen.engines.dtypes import canonical_kv_dtype, is_lossy_kv_dtype
 from draftgen.servers import (
     QualityPolicyError,
     ServerInfo,
@@ -18,7 +19,6 @@ from draftgen.servers import (
     load_profile,
     profile_hash,
 )
-from draftgen.servers.dtypes import canonical_kv_dtype, is_lossy_kv_dtype
 
 LOSSY = [
     "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "fp8_per_token_head", "fp4_e2m1",

@@ -149,7 +149,7 @@ async def test_health_is_503_while_starting_then_200(standin: Standin) -> None:
 
 
 async def test_v1_loads_entries_are_ordered_by_rank(standin: Standin) -> None:
-    from draftgen.servers.engines.sglang.info import rank_loads
+    from draftgen.engines.sglang.info import rank_loads
 
     url = await standin(StandinConfig(dp_size=3))
     async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/loads") as r:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import yaml
 
+from draftgen.engines.install import EngineInstall
 from draftgen.errors import JobError
 from draftgen.servers import engine_for, load_profile, profile_hash
-from draftgen.servers.engines.install import EngineInstall
 from draftgen.servers.profile import ServerProfile
 from draftgen.servers.tune_section import Levers
 from draftgen.tune.candidates import (

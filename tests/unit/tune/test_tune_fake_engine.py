@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 import yaml
 
+from draftgen.engines.install import detect_install
 from draftgen.errors import JobError
 from draftgen.job import JobSpec, load_job
 from draftgen.servers import LaunchError, launch, load_profile, stop
-from draftgen.servers.engines.install import detect_install
 from draftgen.tune import TuneOptions, TuneResult, format_table, tune
 
 HERE = Path(__file__).resolve().parent

@@ -338,9 +338,9 @@ async def test_a_combination_that_changes_nothing_is_skipped() -> None:
 def test_a_changed_probe_is_another_tune(tmp_path: Path, change: dict[str, object]) -> None:
     # The trials' verdicts were made by the probe as it was: a stricter or larger one must
     # not reuse them.
+    from draftgen.engines.install import EngineInstall
     from draftgen.probe import ProbeThresholds
     from draftgen.servers import load_profile
-    from draftgen.servers.engines.install import EngineInstall
     from draftgen.tune.tuner import TuneOptions, tune_key
 
     profile = load_profile(Path(__file__).resolve().parents[3] / "examples" / "profiles"

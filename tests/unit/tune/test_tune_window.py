@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from draftgen.engines.load import ServerLoad
 from draftgen.errors import RunError
 from draftgen.sample import Message, Sample, base_body
-from draftgen.servers.engines.load import ServerLoad
 from draftgen.tune.window import interleaved, measure_window
 from helpers.fakeserver import FakeServer, Reply, completion
 
