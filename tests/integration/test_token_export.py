@@ -26,7 +26,7 @@ from draftgen.store import RunStore
 from draftgen.store.writer import OutcomeWriter
 from helpers.masks import masked_runs
 
-DEMO_JOB = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job.yaml"
+DEMO_JOB = Path(__file__).resolve().parents[2] / "examples" / "demo" / "job-tiny.yaml"
 END = "<|im_end|>"
 
 

@@ -24,7 +24,7 @@ from draftgen.servers import load_profile
 from draftgen.tune import TuneOptions, format_table, tune
 
 REPO = Path(__file__).resolve().parents[2]
-DEMO_JOB = REPO / "examples" / "demo" / "job.yaml"
+DEMO_JOB = REPO / "examples" / "demo" / "job-tiny.yaml"
 RAISED = "max_running_requests=16"
 LOSSY = "max_running_requests=16, kv_cache_dtype=fp8"
 

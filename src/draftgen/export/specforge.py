@@ -71,7 +71,7 @@ class SpecForgeFormat(Format):
         return row
 
     def notes(self) -> list[str]:
-        notes = [f"{n} row(s) {_ADVICE[k]}" for k, n in sorted(self._counts.items()) if n]
+        notes = [f"{n} row(s) {self._advice(k)}" for k, n in sorted(self._counts.items()) if n]
         if n := self.thinking.rows:
             notes.append(f"{n} row(s) {_REASONING[self.thinking.mode]}")
         notes += super().notes()
@@ -79,3 +79,15 @@ class SpecForgeFormat(Format):
             notes.append("rows carry chat_template_kwargs, which SpecForge's preparation does "
                          "not apply: set its template to render the same way")
         return notes
+
+    def _advice(self, gap: str) -> str:
+        if gap != "no_system" or not self.thinking.template_known:
+            return _ADVICE[gap]
+        inserted = self.thinking.template_system
+        if inserted is None:
+            return ("have no system prompt, and the model's chat template writes none: "
+                    + _ADVICE[gap].split(": ", 1)[1])
+        return (f"have no system prompt, so the model's own chat template wrote its default "
+                f"{inserted!r} and the target answered after it: SpecForge trains them right "
+                "only under a template that writes the same (--format tokens carries the "
+                "prompt ids the server rendered)")

@@ -10,30 +10,22 @@ standard library: the build takes a fraction of a second, needs neither torch no
 and is byte-identical on every machine and with every library version (the tokenizer
 depends on the `tokenizers` version only).
 
-`build_rounded_model` copies a built model with its weight matrices rounded to a few
-levels (4 bits: 16), stored in the same dtype: the same model made lossy, which a quality
-probe must tell from the original on any machine (a lossy KV cache needs hardware support).
+A 4-bit-rounded copy of it (the lossy model of the tests) is `rounded.py`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import shutil
-import struct
-import sys
-from array import array
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from draftgen.local.build import building, read_stamp, write_json, write_safetensors
+
 # Bump when the output of a build changes for the same parameters, so stale caches rebuild.
 BUILD_VERSION = 1
-STAMP_NAME = "draftgen-build.json"
 CORPUS_PATH = Path(__file__).with_name("corpus.txt")
 
 HIDDEN = 256
@@ -70,13 +62,13 @@ def build_tiny_model(out_dir: Path, *, vocab_size: int = 4096, seed: int = 0) ->
     """
     out_dir = Path(out_dir)
     stamp = _stamp(vocab_size, seed)
-    if _read_stamp(out_dir) == stamp:
+    if read_stamp(out_dir) == stamp:
         return out_dir
-    with _building(out_dir, stamp) as tmp:
+    with building(out_dir, stamp) as tmp:
         _write_tokenizer(tmp, vocab_size)
-        _write_json(tmp / "config.json", _model_config(vocab_size))
-        _write_json(tmp / "generation_config.json", _generation_config())
-        _write_safetensors(tmp / "model.safetensors", _weights(vocab_size, seed))
+        write_json(tmp / "config.json", _model_config(vocab_size))
+        write_json(tmp / "generation_config.json", _generation_config())
+        write_safetensors(tmp / "model.safetensors", _weights(vocab_size, seed))
     return out_dir
 
 
@@ -88,18 +80,6 @@ def _stamp(vocab_size: int, seed: int) -> dict[str, Any]:
         "seed": seed,
         "corpus_sha256": corpus_sha,
     }
-
-
-def _read_stamp(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = json.loads((out_dir / STAMP_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return data
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 def _write_tokenizer(out_dir: Path, vocab_size: int) -> None:
@@ -133,7 +113,7 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> None:
         }
         for i, tok in enumerate(SPECIAL_TOKENS)
     }
-    _write_json(
+    write_json(
         out_dir / "tokenizer_config.json",
         {
             "added_tokens_decoder": added,
@@ -146,7 +126,7 @@ def _write_tokenizer(out_dir: Path, vocab_size: int) -> None:
             "tokenizer_class": "PreTrainedTokenizerFast",
         },
     )
-    _write_json(
+    write_json(
         out_dir / "special_tokens_map.json",
         {"eos_token": IM_END, "pad_token": END_OF_TEXT},
     )
@@ -231,133 +211,3 @@ def _random_bf16(key: str, count: int) -> bytes:
     return bytes(out)
 
 
-def _write_safetensors(path: Path, tensors: Iterator[tuple[str, list[int], bytes]]) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    blobs: list[bytes] = []
-    offset = 0
-    for name, shape, data in tensors:
-        header[name] = {
-            "dtype": "BF16",
-            "shape": shape,
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    # The format pads the header with spaces so the data starts 8-byte aligned.
-    raw += b" " * (-len(raw) % 8)
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for blob in blobs:
-            f.write(blob)
-
-
-ROUNDED_BUILD_VERSION = 1
-
-
-def build_rounded_model(source_dir: Path, out_dir: Path, *, bits: int = 4) -> Path:
-    """Copy the model in `source_dir` (built by `build_tiny_model`) into `out_dir` with
-    every weight matrix (embedding, attention, MLP, LM head) rounded to `2**bits` levels.
-
-    Per tensor and symmetric: the levels are `q * s` for the integers `q` in
-    `[-2**(bits-1), 2**(bits-1) - 1]`, with `s` the tensor's largest magnitude over
-    `2**(bits-1) - 1`; each value takes the nearest level, rounded back to bf16. The
-    norms (all ones) and the tokenizer and config are copied as they are. Reused, like the
-    model, when a stamp says the same source and bits built it.
-    """
-    if not 2 <= bits <= 8:
-        raise ValueError("bits must be between 2 and 8")
-    source_dir, out_dir = Path(source_dir), Path(out_dir)
-    source_stamp = _read_stamp(source_dir)
-    if source_stamp is None:
-        raise ValueError(f"{source_dir} holds no built tiny model")
-    stamp = {"rounded_build_version": ROUNDED_BUILD_VERSION, "bits": bits,
-             "source": source_stamp}
-    if _read_stamp(out_dir) == stamp:
-        return out_dir
-    with _building(out_dir, stamp) as tmp:
-        for item in source_dir.iterdir():
-            if item.is_file() and item.name not in (STAMP_NAME, "model.safetensors"):
-                shutil.copyfile(item, tmp / item.name)
-        _write_safetensors(tmp / "model.safetensors",
-                           _rounded(_read_safetensors(source_dir / "model.safetensors"), bits))
-    return out_dir
-
-
-def _read_safetensors(path: Path) -> Iterator[tuple[str, list[int], bytes]]:
-    """(name, shape, bytes) of each bf16 tensor, in file order (as `_write_safetensors`)."""
-    raw = path.read_bytes()
-    (size,) = struct.unpack("<Q", raw[:8])
-    header: dict[str, Any] = json.loads(raw[8:8 + size])
-    header.pop("__metadata__", None)
-    start = 8 + size
-    for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        if meta["dtype"] != "BF16":
-            raise ValueError(f"{path}: {name} is {meta['dtype']}, not BF16")
-        a, b = meta["data_offsets"]
-        yield name, list(meta["shape"]), raw[start + a:start + b]
-
-
-def _bf16_to_float(bits16: int) -> float:
-    value: float = struct.unpack("<f", struct.pack("<I", bits16 << 16))[0]
-    return value
-
-
-def _float_to_bf16(value: float) -> int:
-    """Round-to-nearest-even from float32 (the values here are finite)."""
-    u: int = struct.unpack("<I", struct.pack("<f", value))[0]
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _rounded(tensors: Iterator[tuple[str, list[int], bytes]], bits: int
-             ) -> Iterator[tuple[str, list[int], bytes]]:
-    top = 2 ** (bits - 1) - 1
-    for name, shape, data in tensors:
-        if len(shape) != 2:
-            yield name, shape, data  # the norms
-            continue
-        values = array("H", data)
-        if sys.byteorder != "little":
-            values.byteswap()
-        # For finite floats the magnitude orders as the bit pattern without the sign.
-        amax = _bf16_to_float(max(v & 0x7FFF for v in set(values)))
-        scale = amax / top if amax else 1.0
-        levels = {}
-        for v in set(values):
-            q = max(-top - 1, min(top, round(_bf16_to_float(v) / scale)))
-            levels[v] = _float_to_bf16(q * scale)
-        out = array("H", map(levels.__getitem__, values))
-        if sys.byteorder != "little":
-            out.byteswap()
-        yield name, shape, out.tobytes()
-
-
-@contextmanager
-def _building(out_dir: Path, stamp: dict[str, Any]) -> Iterator[Path]:
-    """A folder beside `out_dir` to build in, swapped in stamped when the block ends, so a
-    crash never leaves a half-written model that a later run would serve."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        yield tmp
-        _publish(tmp, out_dir, stamp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, out_dir: Path, stamp: dict[str, Any]) -> None:
-    """Move a finished build in place, stamped. Another process (a second test run, the
-    demo) may have finished the same build meanwhile; its files are identical, so keep them
-    rather than pull them from under it."""
-    _write_json(tmp / STAMP_NAME, stamp)
-    if _read_stamp(out_dir) == stamp:
-        return
-    shutil.rmtree(out_dir, ignore_errors=True)
-    try:
-        tmp.rename(out_dir)
-    except OSError:
-        if _read_stamp(out_dir) != stamp:
-            raise

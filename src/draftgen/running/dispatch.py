@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 
 from draftgen.job import Partition
+from draftgen.running.eta import PartitionWork, Stream, time_left
 from draftgen.running.request import Requester
 from draftgen.running.state import PartitionQueue, RunState
 from draftgen.running.stats import RunStats
@@ -34,10 +35,35 @@ class Dispatcher:
         self._pool = pool
         self._stats = stats
         self._state = state
+        # Categories queued per partition, recounted when a queue's length changes.
+        self._counted: dict[str, tuple[int, Counter[str]]] = {}
+        stats.eta_view = self.time_left
 
     def waiting(self) -> int:
         """Samples not yet finished: queued or in flight."""
         return sum(len(q.samples) + q.in_flight for q in self._queues.values())
+
+    def time_left(self) -> float | None:
+        """Seconds until the last answer ends, by running/eta.py."""
+        books = self._scheduler.books
+        flights: dict[str, list[Stream]] = {}
+        written: dict[str, list[int]] = {}  # the answers still running count as censored
+        for f in books.flights.values():
+            flights.setdefault(f.sample.partition, []).append(
+                Stream(f.sample.category, f.earlier + f.written, f.written))
+            written.setdefault(f.sample.category, []).append(f.earlier + f.written)
+        books.lengths.running(written)
+        work = [PartitionWork(self._partitions[name].max_tokens, self._queued(name, q),
+                              flights.get(name, []))
+                for name, q in self._queues.items()]
+        return time_left(work, books.lengths, self._stats.recent_rate())
+
+    def _queued(self, name: str, queue: PartitionQueue) -> Counter[str]:
+        n, counts = self._counted.get(name, (-1, Counter()))
+        if n != len(queue.samples):
+            counts = Counter(s.category for s in queue.samples)
+            self._counted[name] = (len(queue.samples), counts)
+        return counts
 
     def views(self) -> list[PartitionView]:
         return [

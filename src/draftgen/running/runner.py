@@ -205,14 +205,11 @@ class Runner:
         return summary
 
     def _count_plan(self, plan: Plan, store: RunStore, todo: set[str]) -> None:
-        max_tokens: dict[str, int] = {}
-        for s in plan.samples:
-            max_tokens[s.category] = max(max_tokens.get(s.category, 0), s.max_tokens)
         # What earlier runs did: the entries of the samples this run will not send again.
         counted = tally(((s.category, None if s.id in todo else store.entries.get(s.id))
                          for s in plan.samples), CategoryTally)
         for cat, c in counted.categories.items():
-            self.stats.plan(cat, planned=c.total, max_tokens=max_tokens[cat])
+            self.stats.plan(cat, planned=c.total)
             self.stats.already(cat, done=c.done, failed=c.failed, truncated=c.truncated,
                                output_tokens=c.output_tokens)
             self.scheduler.learn_prior(cat, c.done, c.output_tokens)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draftgen.clock import Clock
+from draftgen.running.eta import RATE_WINDOW_S
 from draftgen.sample import Failure, Record
 
 
@@ -67,7 +68,6 @@ class _Counts:
     in_flight: int = 0
     # Output tokens of every sample done in this category, earlier runs included.
     done_tokens: int = 0
-    max_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -100,17 +100,18 @@ class RunStats:
         self._started = clock.monotonic()
         self._cats: dict[str, _Counts] = {}
         self._window = _Window()
+        self._recent = _Window(span_s=RATE_WINDOW_S)
         self._streamed = 0
         self.sent = 0
         self.retries = 0
         self.note = ""
         # The servers as the monitor sees them now (it sets this).
         self.server_view: Callable[[], tuple[ServerSnapshot, ...]] = tuple
+        # Seconds the run has left (the dispatcher sets it: running/eta.py); None: unknown.
+        self.eta_view: Callable[[], float | None] = lambda: None
 
-    def plan(self, category: str, *, planned: int, max_tokens: int) -> None:
-        c = self._cats.setdefault(category, _Counts())
-        c.planned += planned
-        c.max_tokens = max(c.max_tokens, max_tokens)
+    def plan(self, category: str, *, planned: int) -> None:
+        self._cats.setdefault(category, _Counts()).planned += planned
 
     def already(self, category: str, *, done: int, failed: int, truncated: int,
                 output_tokens: int) -> None:
@@ -127,7 +128,13 @@ class RunStats:
 
     def token(self, n: int = 1) -> None:
         self._streamed += n
-        self._window.add(int(self._clock.monotonic()), n)
+        second = int(self._clock.monotonic())
+        self._window.add(second, n)
+        self._recent.add(second, n)
+
+    def recent_rate(self) -> float:
+        """Tokens a second streamed over the last RATE_WINDOW_S seconds (the ETA's pace)."""
+        return self._recent.rate(self._clock.monotonic(), self._started)
 
     def retried(self) -> None:
         self.retries += 1
@@ -145,29 +152,12 @@ class RunStats:
         else:
             c.failed += 1
 
-    def _expected_remaining_tokens(self) -> float:
-        all_done = sum(c.done for c in self._cats.values())
-        all_tokens = sum(c.done_tokens for c in self._cats.values())
-        total = 0.0
-        for c in self._cats.values():
-            if c.done:
-                mean = c.done_tokens / c.done
-            elif all_done:
-                mean = min(all_tokens / all_done, c.max_tokens)
-            else:
-                mean = c.max_tokens / 2  # a prior until the first samples finish
-            # In-flight samples count half: on average they are half written.
-            total += mean * (c.planned - c.done - c.failed - c.in_flight / 2)
-        return max(total, 0.0)
-
     def snapshot(self) -> Snapshot:
         now = self._clock.monotonic()
         elapsed = now - self._started
         window = self._window.rate(now, self._started)
         overall = self._streamed / elapsed if elapsed > 0 else 0.0
-        rate = window or overall
-        remaining = self._expected_remaining_tokens()
-        eta = remaining / rate if rate > 0 else (0.0 if remaining == 0 else None)
+        eta = self.eta_view()
         cats = tuple(
             CategorySnapshot(name, c.planned, c.done, c.failed, c.truncated, c.in_flight,
                              c.done_tokens)

@@ -77,6 +77,8 @@ class Lengths:
         self._running: dict[str, list[int]] = {}  # per category, sorted
         # Survival curves built since the last change; the key None: every category's.
         self._curves: dict[str | None, tuple[list[int], list[float]]] = {}
+        # The area under each curve up to each of its times (for expected lengths).
+        self._areas: dict[str | None, list[float]] = {}
 
     def running(self, written: Mapping[str, Sequence[int]]) -> None:
         """The tokens written so far by every answer still running, per category."""
@@ -84,6 +86,7 @@ class Lengths:
         if running != self._running:  # told again per server: rebuild curves only on change
             self._running = running
             self._curves.clear()
+            self._areas.clear()
 
     def learn_prior(self, category: str, done: int, output_tokens: int) -> None:
         """Output lengths recorded by earlier runs (a count and a total) seed the mean."""
@@ -96,6 +99,7 @@ class Lengths:
         self._by_cat.setdefault(category, _Sorted()).add(output_tokens)
         self._all.add(output_tokens)
         self._curves.clear()
+        self._areas.clear()
 
     @property
     def learned(self) -> bool:
@@ -158,3 +162,49 @@ class Lengths:
             # Longer than every answer seen: assume it runs on to max_tokens.
             return [1.0 if h < left else 0.0 for h in ahead]
         return [s(written + h) / alive if h < left else 0.0 for h in ahead]
+
+    def expected_left(self, category: str, max_tokens: int, written: int = 0) -> float:
+        """Tokens an answer that has written `written` will still write, on average: the
+        area under the survival curve from `written` on, over S(written) (the running
+        answers counted as censored; past every length seen it runs to max_tokens). With
+        `written` 0, the mean length. Until learned: the prior, as `still_running`."""
+        learned = self._learned(category)
+        if learned is None:
+            prior = self._prior.get(category)
+            ends = min(max_tokens, prior.total / prior.n) if prior is not None else max_tokens / 2
+            return ends - written if written < ends else float(max(max_tokens - written, 0))
+        key = category if learned is not self._all else None
+        times, surv = self._survival(category, learned)
+        areas = self._areas.get(key)
+        if areas is None:
+            areas, total, last, alive = [], 0.0, 0, 1.0
+            for t, s in zip(times, surv, strict=True):
+                total += (t - last) * alive
+                areas.append(total)
+                last, alive = t, s
+            self._areas[key] = areas
+
+        def area(x: float) -> tuple[float, float]:  # (integral of S from 0 to x, S(x))
+            i = bisect_right(times, x)
+            if not i:
+                return x, 1.0
+            return areas[i - 1] + (x - times[i - 1]) * surv[i - 1], surv[i - 1]
+
+        end = float(max_tokens)
+        if written >= end:
+            return 0.0
+        at, alive = area(written)
+        if alive == 0.0:
+            return end - written  # longer than every answer seen: runs on to max_tokens
+        return (area(end)[0] - at) / alive
+
+    def tail(self, category: str, max_tokens: int, q: float) -> float:
+        """The length a share `q` of answers stay within, from the survival curve (the
+        running answers counted); max_tokens until learned, or where the curve does not
+        fall that far."""
+        learned = self._learned(category)
+        if learned is None:
+            return float(max_tokens)
+        times, surv = self._survival(category, learned)
+        at = next((t for t, s in zip(times, surv, strict=True) if s <= 1.0 - q), max_tokens)
+        return float(min(max_tokens, at))

@@ -13,6 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from draftgen.local import tinymodel
+from draftgen.local.rounded import build_rounded_model
 from draftgen.local.tinymodel import build_tiny_model
 
 EXPECTED_FILES = {
@@ -136,7 +137,7 @@ def test_a_failed_build_keeps_the_previous_one(
     def disk_full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(tinymodel, "_write_safetensors", disk_full)
+    monkeypatch.setattr(tinymodel, "write_safetensors", disk_full)
     with pytest.raises(OSError):
         build_tiny_model(out, seed=1)
     assert json.loads((out / "draftgen-build.json").read_text())["seed"] == 0
@@ -161,7 +162,7 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_refused(tmp_path: Path) -> None:
 def test_a_rounded_copy_keeps_the_model_and_rounds_its_matrices_to_4_bits(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    rounded = tinymodel.build_rounded_model(model_dir, tmp_path / "int4", bits=4)
+    rounded = build_rounded_model(model_dir, tmp_path / "int4", bits=4)
     assert {p.name for p in rounded.iterdir()} == EXPECTED_FILES
     for name in EXPECTED_FILES - {"model.safetensors", "draftgen-build.json"}:
         assert (rounded / name).read_bytes() == (model_dir / name).read_bytes(), name
@@ -183,13 +184,13 @@ def test_a_rounded_copy_keeps_the_model_and_rounds_its_matrices_to_4_bits(
         assert all(abs(a - b) <= 0.51 * step for a, b in zip(after, before, strict=True)), name
         assert after != before, name
     # Reused when built, and byte-identical when built again.
-    assert tinymodel.build_rounded_model(model_dir, tmp_path / "int4") == rounded
-    again = tinymodel.build_rounded_model(model_dir, tmp_path / "again", bits=4)
+    assert build_rounded_model(model_dir, tmp_path / "int4") == rounded
+    again = build_rounded_model(model_dir, tmp_path / "again", bits=4)
     weights = "model.safetensors"
     assert (again / weights).read_bytes() == (rounded / weights).read_bytes()
     # Other bits rebuild; an unbuilt source is refused.
-    three = tinymodel.build_rounded_model(model_dir, tmp_path / "int4", bits=3)
+    three = build_rounded_model(model_dir, tmp_path / "int4", bits=3)
     assert json.loads((three / "draftgen-build.json").read_text())["bits"] == 3
     assert (three / weights).read_bytes() != (again / weights).read_bytes()
-    with pytest.raises(ValueError, match="no built tiny model"):
-        tinymodel.build_rounded_model(tmp_path / "nothing", tmp_path / "x")
+    with pytest.raises(ValueError, match="no model built here"):
+        build_rounded_model(tmp_path / "nothing", tmp_path / "x")

@@ -29,8 +29,9 @@ def record(cat: str, tokens: int, finish: str = "stop") -> Record:
 def snapshot() -> Snapshot:
     clock = FakeClock()
     stats = RunStats(clock)
-    stats.plan("chat", planned=10, max_tokens=100)
-    stats.plan("code", planned=4, max_tokens=100)
+    stats.plan("chat", planned=10)
+    stats.plan("code", planned=4)
+    stats.eta_view = lambda: 95.0
     stats.already("chat", done=2, failed=0, truncated=0, output_tokens=50)
     for cat in ("chat", "chat", "code"):
         stats.started(cat)
@@ -110,7 +111,7 @@ def test_starting_twice_is_an_error() -> None:
 def test_eta_is_absent_until_known() -> None:
     clock = FakeClock()
     stats = RunStats(clock)
-    stats.plan("chat", planned=3, max_tokens=10)
+    stats.plan("chat", planned=3)
     snap = stats.snapshot()
     assert snap.eta_s is None
     with MetricsExporter() as e:

@@ -14,30 +14,18 @@ def record(cat: str, tokens: int, finish: str = "stop") -> Record:
     return Record("id", "fp", cat, "short", (), (), (turn,), "s", 1, 0.0)
 
 
-def test_eta_comes_from_tokens_still_expected_not_from_request_counts() -> None:
-    clock = FakeClock()
-    stats = RunStats(clock)
-    stats.plan("short", planned=10, max_tokens=1000)
-    stats.plan("long", planned=2, max_tokens=8000)
-    # Before anything finishes, the prior is half of max_tokens.
-    assert stats._expected_remaining_tokens() == 10 * 500 + 2 * 4000
-    for _ in range(4):
-        stats.started("short")
-        for _ in range(100):
-            stats.token()
-        clock.advance(1.0)
-        stats.finished(record("short", 100))
-    snap = stats.snapshot()
-    assert snap.total("done") == 4 and snap.total("pending") == 8
-    # 6 short left at their measured mean (100) + 2 long at the overall mean (100).
-    assert snap.tok_s_overall == 100.0
-    assert snap.eta_s == (6 * 100 + 2 * 100) / 100.0
+def test_eta_is_what_the_dispatcher_says_and_unknown_without_one() -> None:
+    stats = RunStats(FakeClock())
+    stats.plan("short", planned=10)
+    assert stats.snapshot().eta_s is None
+    stats.eta_view = lambda: 12.5
+    assert stats.snapshot().eta_s == 12.5
 
 
 def test_window_rate_forgets_tokens_older_than_a_minute() -> None:
     clock = FakeClock()
     stats = RunStats(clock)
-    stats.plan("c", planned=1, max_tokens=10)
+    stats.plan("c", planned=1)
     for _ in range(600):
         stats.token()
     clock.advance(120.0)
@@ -49,7 +37,7 @@ def test_window_rate_forgets_tokens_older_than_a_minute() -> None:
 
 def test_counts_done_failed_truncated_and_earlier_runs() -> None:
     stats = RunStats(FakeClock())
-    stats.plan("c", planned=5, max_tokens=10)
+    stats.plan("c", planned=5)
     stats.already("c", done=2, failed=0, truncated=1, output_tokens=20)
     stats.started("c")
     stats.finished(record("c", 10, finish="length"))
@@ -63,7 +51,7 @@ def test_counts_done_failed_truncated_and_earlier_runs() -> None:
 
 def test_plain_line_and_table_show_the_numbers() -> None:
     stats = RunStats(FakeClock())
-    stats.plan("code", planned=3, max_tokens=10)
+    stats.plan("code", planned=3)
     stats.note = "server down"
     line = plain_line(stats.snapshot())
     assert "done 0/3" in line and "pending 3" in line and line.endswith("server down")
@@ -75,7 +63,7 @@ def test_plain_line_and_table_show_the_numbers() -> None:
 
 async def test_plain_view_prints_a_line_per_interval() -> None:
     stats = RunStats(FakeClock())
-    stats.plan("c", planned=1, max_tokens=10)
+    stats.plan("c", planned=1)
     out = io.StringIO()
     view = ProgressView(stats.snapshot, live=False, interval_s=0.01, stream=out)
     task = asyncio.create_task(view.run())

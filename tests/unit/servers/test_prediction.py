@@ -19,7 +19,7 @@ from draftgen.servers.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[3]
 KIMI = REPO / "examples" / "profiles" / "kimi-k2.5-sglang-8gpu.yaml"
-DEMO_JOB = REPO / "examples" / "demo" / "job.yaml"
+DEMO_JOB = REPO / "examples" / "demo" / "job-tiny.yaml"
 CONFIG = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
           "num_key_value_heads": 2}
 
