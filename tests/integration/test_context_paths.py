@@ -47,6 +47,21 @@ progress_interval_s: 1
     return job
 
 
+def settled_at_the_limit(job: Path, out: Path, *, asked: int, context: int) -> dict[str, Any]:
+    """Run a one-sample job whose prompt and `asked` answer pass `context` only with the
+    template's tokens: the engine's count settles it, so the answer is sent with exactly the
+    room left and runs to it. The sample's record."""
+    ran = draftgen("run", str(job))
+    assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
+    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
+    [record] = shard_records(out)
+    served_prompt: int = record["turns"][0]["prompt_tokens"]
+    assert planned["max_tokens"] < asked
+    assert served_prompt + planned["max_tokens"] == context
+    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
+    return record
+
+
 def test_a_tokenizers_count_near_the_limit_is_settled_by_the_engine(
     local_engine: LocalEngine, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -56,16 +71,10 @@ def test_a_tokenizers_count_near_the_limit_is_settled_by_the_engine(
         {"id": 1, "messages": [{"role": "user", "content": "7" * 3480}]}]
     job = write_job(tmp_path, local_engine.url, rows, max_tokens=610,
                     extra=f"tokenizer: {tiny_model_dir}\n")
-    ran = draftgen("run", str(job))
-    assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    out = tmp_path / "out"
-    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
-    [record] = shard_records(out)
-    served_prompt = record["turns"][0]["prompt_tokens"]
-    assert served_prompt > 3480 + 4  # the template's tokens: more than the tokenizer counted
-    assert planned["max_tokens"] < 610
-    assert served_prompt + planned["max_tokens"] == local_engine.max_model_len
-    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
+    record = settled_at_the_limit(job, tmp_path / "out", asked=610,
+                                  context=local_engine.max_model_len)
+    # The template's tokens: more than the tokenizer counted.
+    assert record["turns"][0]["prompt_tokens"] > 3480 + 4
 
 
 def test_on_a_real_template_its_default_system_prompt_is_counted_by_the_engine(
@@ -78,16 +87,10 @@ def test_on_a_real_template_its_default_system_prompt_is_counted_by_the_engine(
         {"id": 1, "messages": [{"role": "user", "content": "7" * 1700}]}]
     job = write_job(tmp_path, smollm2_engine.url, rows, max_tokens=400, model="smollm2",
                     extra=f"tokenizer: {smollm2_dir}\n")
-    ran = draftgen("run", str(job))
-    assert ran.returncode == 0 and "1/1 done, 0 failed" in ran.stdout, ran.stdout + ran.stderr
-    out = tmp_path / "out"
-    [planned] = [orjson.loads(x) for x in (out / "plan.jsonl").read_bytes().splitlines()]
-    [record] = shard_records(out)
-    served_prompt = record["turns"][0]["prompt_tokens"]
-    assert served_prompt >= 1700 + 20  # the markers and the default system prompt
-    assert planned["max_tokens"] < 400
-    assert served_prompt + planned["max_tokens"] == smollm2_engine.max_model_len
-    assert record["turns"][0]["completion_tokens"] == planned["max_tokens"]
+    record = settled_at_the_limit(job, tmp_path / "out", asked=400,
+                                  context=smollm2_engine.max_model_len)
+    # The markers and the default system prompt.
+    assert record["turns"][0]["prompt_tokens"] >= 1700 + 20
     # The prompt the engine read opens with the template's default system prompt.
     assert record["turns"][0]["prompt_token_ids"][:3] == [1, 9690, 198]  # <|im_start|>system
 

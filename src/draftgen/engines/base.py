@@ -25,7 +25,7 @@ from draftgen.engines.load import MetricNames, Reading
 from draftgen.engines.scoring import Http, ScoringServer
 
 if TYPE_CHECKING:
-    from draftgen.engines.info import ServerInfo
+    from draftgen.engines.info import ServerInfo, WorkerFacts
     from draftgen.engines.spec import DraftSpec, LaunchSpec
     from draftgen.sample import Message
 
@@ -149,10 +149,10 @@ class Engine(ABC):
     ) -> ServerInfo | None:
         """The running server's settings, or None when `url` is not this engine."""
 
-    def gateway_info(self, url: str, metrics: str, labels: Mapping[str, str], *,
+    def gateway_info(self, url: str, metrics: str, facts: WorkerFacts, *,
                      profile: LaunchSpec | None = None) -> ServerInfo | None:
         """The settings of a worker reached only through a gateway, from its Prometheus page
-        as the gateway relays it (`metrics`) and the labels the gateway lists it with; None
+        as the gateway relays it (`metrics`) and what the gateway says of it (`facts`); None
         when they do not say (this engine keeps its settings elsewhere) or it is not this
         engine."""
         return None

@@ -20,6 +20,18 @@ class ServerInfoError(DraftgenError):
     """A server could not be reached or did not answer like SGLang or vLLM."""
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerFacts:
+    """What a gateway says of a worker beside its relayed metrics, standing in for the
+    worker's own version and model endpoints (each gateway maps its worker list to these:
+    gateways/); None: not said."""
+
+    version: str | None = None
+    served_name: str | None = None
+    model_path: str | None = None
+    context_length: int | None = None
+
+
 @dataclass(frozen=True)
 class ServerInfo:
     url: str

@@ -14,6 +14,7 @@ generated turn, as thinking templates (and SpecForge's thinking chat templates) 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -200,7 +201,6 @@ class Thinking:
         self._ctx, self._opts = ctx, opts
         self._render, self._source = render, source
         self._style: ThinkStyle | None = None
-        self._system: tuple[str | None] | None = None
         self._why = ""  # why the common convention is used
         self.rows = 0  # rows written with reasoning
         self.earlier = 0  # of them, with reasoning on a turn before the last user message
@@ -211,19 +211,16 @@ class Thinking:
             self._style = self._derive()
         return self._style
 
-    @property
+    @functools.cached_property
     def template_system(self) -> str | None:
         """What the model's chat template writes as the system prompt of a conversation that
         has none (None: nothing, or no template to ask; `template_known` tells which)."""
-        if self._system is None:
-            found = None
-            if self._template() and self._render is not None:
-                try:
-                    found = default_system(self._render)
-                except Exception:  # a template may raise on anything
-                    found = None
-            self._system = (found,)
-        return self._system[0]
+        if not self._template() or self._render is None:
+            return None
+        try:
+            return default_system(self._render)
+        except Exception:  # a template may raise on anything
+            return None
 
     @property
     def template_known(self) -> bool:

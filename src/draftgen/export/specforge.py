@@ -26,15 +26,18 @@ from typing import Any
 from draftgen.export.base import ExportContext, ExportOptions, Format
 from draftgen.quality.checks import trainer_gaps
 
+# What SpecForge's own templates do to a row without a system prompt.
+_QWEN_SYSTEM = ("SpecForge's qwen-family templates insert 'You are a helpful assistant.', "
+                "which the target never saw (use a template without one, such as lfm, or "
+                "--format tokens)")
+
 _ADVICE = {
     "source_turns": "carry assistant turns from the source prompt, which SpecForge masks in "
                     "for the loss (set train_only_last_turn for multi_turn: last, or use "
                     "--format tokens)",
     "truncated": "are truncated: SpecForge's template appends an end-of-turn token the model "
                  "never generated and trains on it (leave them out, or use --format tokens)",
-    "no_system": "have no system prompt: SpecForge's qwen-family templates insert 'You are a "
-                 "helpful assistant.', which the target never saw (use a template without "
-                 "one, such as lfm, or --format tokens)",
+    "no_system": "have no system prompt: " + _QWEN_SYSTEM,
 }
 
 # What SpecForge does with the reasoning, by --reasoning mode.
@@ -86,7 +89,7 @@ class SpecForgeFormat(Format):
         inserted = self.thinking.template_system
         if inserted is None:
             return ("have no system prompt, and the model's chat template writes none: "
-                    + _ADVICE[gap].split(": ", 1)[1])
+                    + _QWEN_SYSTEM)
         return (f"have no system prompt, so the model's own chat template wrote its default "
                 f"{inserted!r} and the target answered after it: SpecForge trains them right "
                 "only under a template that writes the same (--format tokens carries the "

@@ -6,7 +6,7 @@ that the job names for it) carries the override; the override is stamped into th
 manifest. A URL that answers like neither engine (a proxy, a test stand-in) or whose KV
 dtype cannot be told is used but recorded as unverified, with a warning. A gateway's worker
 whose own URL does not answer is verified from what the gateway relays of it (its metrics
-and labels, gateways/smg/metrics.py): what they do not say is unverified alike.
+and what it lists of it, gateways/relayed.py): what they do not say is unverified alike.
 """
 
 from __future__ import annotations

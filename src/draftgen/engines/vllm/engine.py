@@ -14,7 +14,7 @@ import aiohttp
 
 from draftgen.engines.base import Engine
 from draftgen.engines.common import common_flags, get_json, get_text, limit_flags
-from draftgen.engines.info import ServerInfo
+from draftgen.engines.info import ServerInfo, WorkerFacts
 from draftgen.engines.install import EngineInstall, InstallSources
 from draftgen.engines.scoring import Http, ScoringServer
 from draftgen.engines.vllm import levers, load, local
@@ -77,9 +77,9 @@ class VLLM(Engine):
             profile=profile,
         )
 
-    def gateway_info(self, url: str, metrics: str, labels: Mapping[str, str], *,
+    def gateway_info(self, url: str, metrics: str, facts: WorkerFacts, *,
                      profile: LaunchSpec | None = None) -> ServerInfo | None:
-        return parse_gateway_info(url, metrics, labels, profile=profile)
+        return parse_gateway_info(url, metrics, facts, profile=profile)
 
     def cpu_server(self, python: str, model_dir: Path, *, served_name: str, port: int,
                    max_model_len: int, num_blocks: int | None, kv_cache_gib: int

@@ -20,7 +20,7 @@ from draftgen.engines.common import (
     resolve_auto_kv_dtype,
 )
 from draftgen.engines.dtypes import AUTO, canonical_kv_dtype
-from draftgen.engines.info import ServerInfo
+from draftgen.engines.info import ServerInfo, WorkerFacts
 
 if TYPE_CHECKING:
     from draftgen.engines.spec import LaunchSpec
@@ -105,16 +105,14 @@ def parse_info(
     )
 
 
-def parse_gateway_info(url: str, metrics: str, labels: Mapping[str, str], *,
+def parse_gateway_info(url: str, metrics: str, facts: WorkerFacts, *,
                        profile: LaunchSpec | None = None) -> ServerInfo | None:
-    """A worker's settings from its `/metrics` as a gateway relays them and the labels the
-    gateway lists it with: smg 1.13.0 lists a vLLM worker with the `version`,
-    `served_model_name`, `model_path` and `max_model_len` it read from the worker
-    (tests/unit/gateways/data/smg-1.13.0-workers.json), in place of its `/version` and
-    `/v1/models`. None without a `vllm:cache_config_info` to read."""
+    """A worker's settings from its `/metrics` as a gateway relays them, with what the
+    gateway says of it in place of its `/version` and `/v1/models`. None without a
+    `vllm:cache_config_info` to read."""
     if not cache_config_labels(metrics):
         return None
-    model = {"id": labels.get("served_model_name"), "root": labels.get("model_path"),
-             "max_model_len": as_int(labels.get("max_model_len"))}
-    return parse_info(url, metrics, version=labels.get("version"), models={"data": [model]},
+    model = {"id": facts.served_name, "root": facts.model_path,
+             "max_model_len": facts.context_length}
+    return parse_info(url, metrics, version=facts.version, models={"data": [model]},
                       profile=profile)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from draftgen.engines.base import Engine
-from draftgen.engines.info import ServerInfo
+from draftgen.engines.common import as_int
+from draftgen.engines.info import ServerInfo, WorkerFacts
 from draftgen.engines.load import Reading, split_by_label
 from draftgen.engines.registry import ENGINES, engine_for, metric_names, read_metrics
 
@@ -68,8 +69,19 @@ def relayed_info(url: str, engine_metrics: str, labels: dict[str, str], *,
     page = worker_pages(engine_metrics).get(url)
     if page is None:
         return None
+    facts = worker_facts(labels)
     candidates = [engine_for(profile.engine)] if profile is not None else ENGINES.values()
     for engine in candidates:
-        if (info := engine.gateway_info(url, page, labels, profile=profile)) is not None:
+        if (info := engine.gateway_info(url, page, facts, profile=profile)) is not None:
             return info
     return None
+
+
+def worker_facts(labels: dict[str, str]) -> WorkerFacts:
+    """smg 1.13.0 lists a vLLM worker with the `version`, `served_model_name`, `model_path`
+    and `max_model_len` it read from the worker (tests/unit/gateways/data/
+    smg-1.13.0-workers.json)."""
+    return WorkerFacts(version=labels.get("version"),
+                       served_name=labels.get("served_model_name"),
+                       model_path=labels.get("model_path"),
+                       context_length=as_int(labels.get("max_model_len")))
